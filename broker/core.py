@@ -1,0 +1,154 @@
+"""The SQL-level API from Python: one function per SQL function.
+
+Each function takes the caller's SQLAlchemy Connection or Session and runs in
+the caller's transaction, so an application can receive, do its own work and
+send in one transaction; nothing here commits.
+"""
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import Connection, Result, text
+from sqlalchemy.orm import Session
+
+from broker.errors import translated_errors
+
+Executor = Connection | Session
+
+
+def _call(executor: Executor, sql: str, **params: Any) -> Result:
+    with translated_errors():
+        return executor.execute(text(sql), params)
+
+
+def _as_bytes(body: bytes | str | None) -> bytes | None:
+    return body.encode() if isinstance(body, str) else body
+
+
+def _bytes_or_none(body: memoryview | bytes | None) -> bytes | None:
+    return None if body is None else bytes(body)
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedMessage:
+    queue_position: int
+    conversation_group_id: UUID
+    conversation_handle: UUID
+    conversation_id: UUID
+    message_sequence_number: int
+    service_name: str
+    contract_name: str
+    message_type: str
+    body: bytes | None
+    enqueued_at: datetime
+
+    def json(self) -> Any:
+        return None if self.body is None else json.loads(self.body)
+
+
+# Catalog
+
+
+def create_message_type(executor: Executor, name: str, validation: str = "none") -> None:
+    _call(executor, "SELECT broker.create_message_type(:name, :validation)", name=name, validation=validation)
+
+
+def drop_message_type(executor: Executor, name: str) -> None:
+    _call(executor, "SELECT broker.drop_message_type(:name)", name=name)
+
+
+def create_contract(executor: Executor, name: str, message_types: dict[str, str]) -> None:
+    """message_types maps each message type to who sends it: "initiator", "target" or "any"."""
+    _call(executor, "SELECT broker.create_contract(:name, CAST(:types AS jsonb))",
+          name=name, types=json.dumps(message_types))
+
+
+def drop_contract(executor: Executor, name: str) -> None:
+    _call(executor, "SELECT broker.drop_contract(:name)", name=name)
+
+
+def create_queue(executor: Executor, name: str, *, enabled: bool = True, retention: bool = False,
+                 poison_threshold: int = 5) -> None:
+    _call(executor, "SELECT broker.create_queue(:name, :enabled, :retention, :threshold)",
+          name=name, enabled=enabled, retention=retention, threshold=poison_threshold)
+
+
+def alter_queue(executor: Executor, name: str, *, enabled: bool | None = None, retention: bool | None = None,
+                poison_threshold: int | None = None) -> None:
+    """Changes the settings given; None leaves a setting as it is."""
+    _call(executor, "SELECT broker.alter_queue(:name, :enabled, :retention, :threshold)",
+          name=name, enabled=enabled, retention=retention, threshold=poison_threshold)
+
+
+def drop_queue(executor: Executor, name: str) -> None:
+    _call(executor, "SELECT broker.drop_queue(:name)", name=name)
+
+
+def create_service(executor: Executor, name: str, queue: str, contracts: list[str] | tuple[str, ...] = ()) -> None:
+    _call(executor, "SELECT broker.create_service(:name, :queue, CAST(:contracts AS text[]))",
+          name=name, queue=queue, contracts=list(contracts))
+
+
+def drop_service(executor: Executor, name: str) -> None:
+    _call(executor, "SELECT broker.drop_service(:name)", name=name)
+
+
+def create_route(executor: Executor, service_name: str, address: str, broker_instance: UUID | None = None) -> None:
+    _call(executor, "SELECT broker.create_route(:service, :address, :instance)",
+          service=service_name, address=address, instance=broker_instance)
+
+
+def drop_route(executor: Executor, service_name: str) -> None:
+    _call(executor, "SELECT broker.drop_route(:service)", service=service_name)
+
+
+# Conversations
+
+
+def begin_dialog(executor: Executor, from_service: str, to_service: str, contract: str, *,
+                 lifetime: timedelta | None = None, related_conversation_group: UUID | None = None) -> UUID:
+    """Begins a conversation and returns the initiator's conversation handle."""
+    return _call(executor, "SELECT broker.begin_dialog(:from_service, :to_service, :contract, :lifetime, :group)",
+                 from_service=from_service, to_service=to_service, contract=contract, lifetime=lifetime,
+                 group=related_conversation_group).scalar_one()
+
+
+def send(executor: Executor, conversation_handle: UUID, message_type: str, body: bytes | str | None = None) -> int:
+    """Sends a message (str bodies are UTF-8 encoded); returns its sequence number."""
+    return _call(executor, "SELECT broker.send(:handle, :message_type, :body)",
+                 handle=conversation_handle, message_type=message_type, body=_as_bytes(body)).scalar_one()
+
+
+def receive(executor: Executor, queue: str, max_messages: int = 1, *, conversation_group: UUID | None = None,
+            wait_ms: int = 0) -> list[ReceivedMessage]:
+    """Locks one conversation group and returns up to max_messages of its messages in order.
+
+    The messages are consumed when the caller commits and come back on rollback.
+    """
+    rows = _call(executor, "SELECT * FROM broker.receive(:queue, :max_messages, :group, :wait_ms)",
+                 queue=queue, max_messages=max_messages, group=conversation_group, wait_ms=wait_ms)
+    return [ReceivedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows]
+
+
+def get_conversation_group(executor: Executor, queue: str, wait_ms: int = 0) -> UUID | None:
+    return _call(executor, "SELECT broker.get_conversation_group(:queue, :wait_ms)",
+                 queue=queue, wait_ms=wait_ms).scalar_one()
+
+
+def end_conversation(executor: Executor, conversation_handle: UUID, *, error_code: int | None = None,
+                     error_description: str | None = None, cleanup: bool = False) -> None:
+    _call(executor, "SELECT broker.end_conversation(:handle, :code, :description, :cleanup)",
+          handle=conversation_handle, code=error_code, description=error_description, cleanup=cleanup)
+
+
+def begin_conversation_timer(executor: Executor, conversation_handle: UUID, timeout: timedelta) -> None:
+    _call(executor, "SELECT broker.begin_conversation_timer(:handle, :timeout)",
+          handle=conversation_handle, timeout=timeout)
+
+
+def report_processing_failure(executor: Executor, queue: str, conversation_group: UUID, reason: str) -> bool:
+    """Counts a failed attempt at the group's head message; returns True when its conversation was quarantined."""
+    return _call(executor, "SELECT broker.report_processing_failure(:queue, :group, :reason)",
+                 queue=queue, group=conversation_group, reason=reason).scalar_one()

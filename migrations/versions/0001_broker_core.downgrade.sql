@@ -1,0 +1,2 @@
+-- Removes everything revision 0001 created.
+DROP SCHEMA broker CASCADE;
