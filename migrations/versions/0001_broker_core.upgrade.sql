@@ -457,14 +457,15 @@ END $$;
 CREATE FUNCTION broker._fire_due_events(target_queue_id integer) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
+    due_by timestamptz := clock_timestamp();  -- a waiting receive outlives its transaction's now()
     due record;
     e broker.endpoints;
 BEGIN
     FOR due IN
         SELECT conversation_handle, conversation_id FROM broker.endpoints
         WHERE queue_id = target_queue_id
-          AND (timer_at <= now()
-               OR (expires_at <= now() AND state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound')))
+          AND (timer_at <= due_by
+               OR (expires_at <= due_by AND state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound')))
     LOOP
         -- Lock the initiator without waiting, then the rest: the usual order.
         PERFORM 1 FROM broker.endpoints
@@ -474,11 +475,11 @@ BEGIN
         FOR UPDATE SKIP LOCKED;
         CONTINUE WHEN NOT FOUND;
         e := broker._lock_endpoint(due.conversation_handle);
-        IF e.timer_at <= now() THEN
+        IF e.timer_at <= due_by THEN
             UPDATE broker.endpoints SET timer_at = NULL WHERE conversation_handle = e.conversation_handle;
             PERFORM broker._enqueue(e, 0, (broker._message_type('broker.dialog_timer')).message_type_id, NULL);
         END IF;
-        IF e.expires_at <= now() AND e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
+        IF e.expires_at <= due_by AND e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
             PERFORM broker._fail_conversation(e, -1, 'the conversation''s lifetime expired before it was ended');
         END IF;
     END LOOP;

@@ -1,0 +1,93 @@
+"""Test databases: one PostgreSQL per session (embedded unless BROKER_TEST_DATABASE_URL names a
+server's admin database), one template migrated with Alembic, one fresh database per test."""
+import os
+import uuid
+
+import psycopg2
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+
+from broker import migrate
+from broker.embedded import EmbeddedPostgres
+from tests import factories
+
+TEMPLATE = "broker_test_template"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--skip-slow", action="store_true", help="skip the slow fault-injection and Spark tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--skip-slow"):
+        skip = pytest.mark.skip(reason="--skip-slow given")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+
+
+def with_database(url: str, database: str) -> str:
+    return make_url(url).set(database=database).render_as_string(hide_password=False)
+
+
+def admin_execute(admin_url: str, *statements: str) -> None:
+    connection = psycopg2.connect(admin_url)
+    connection.autocommit = True
+    try:
+        with connection.cursor() as cursor:
+            for statement in statements:
+                cursor.execute(statement)
+    finally:
+        connection.close()
+
+
+@pytest.fixture(scope="session")
+def admin_url(tmp_path_factory):
+    given = os.environ.get("BROKER_TEST_DATABASE_URL")
+    if given:
+        yield given
+        return
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("embedded")).start()
+    try:
+        yield server.url("postgres")
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def template_database(admin_url):
+    admin_execute(admin_url, f"DROP DATABASE IF EXISTS {TEMPLATE}", f"CREATE DATABASE {TEMPLATE}")
+    migrate.upgrade(with_database(admin_url, TEMPLATE))
+    return TEMPLATE
+
+
+@pytest.fixture
+def database_url(admin_url, template_database):
+    name = f"broker_test_{uuid.uuid4().hex[:12]}"
+    admin_execute(admin_url, f"CREATE DATABASE {name} TEMPLATE {template_database}")
+    yield with_database(admin_url, name)
+    admin_execute(admin_url, f"DROP DATABASE {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def empty_database_url(admin_url):
+    name = f"broker_empty_{uuid.uuid4().hex[:12]}"
+    admin_execute(admin_url, f"CREATE DATABASE {name}")
+    yield with_database(admin_url, name)
+    admin_execute(admin_url, f"DROP DATABASE {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def engine(database_url):
+    engine = create_engine(database_url, pool_size=10)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def orders(engine):
+    """The orders catalog of tests/factories.py, committed."""
+    with engine.begin() as connection:
+        factories.define_orders(connection)
+    return factories
