@@ -198,16 +198,16 @@ BEGIN
 END $$;
 
 -- Names are 1-128 characters: letters, digits and _ . : / @ # -, starting with
--- a letter or digit.  Names beginning with "broker." are reserved.
+-- a letter, a digit or /.  Names beginning with "broker." are reserved.
 CREATE FUNCTION broker._check_name(kind text, name text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
     IF name IS NULL THEN
         PERFORM broker._raise('BR050', format('%s name must not be null', kind));
     END IF;
-    IF length(name) > 128 OR name !~ '^[A-Za-z0-9][A-Za-z0-9_.:/@#-]*$' THEN
+    IF length(name) > 128 OR name !~ '^[A-Za-z0-9/][A-Za-z0-9_.:/@#-]*$' THEN
         PERFORM broker._raise('BR050', format('invalid %s name %s', kind, left(quote_literal(name), 140)),
-            'use 1-128 letters, digits and _ . : / @ # -, starting with a letter or digit');
+            'use 1-128 letters, digits and _ . : / @ # -, starting with a letter, a digit or /');
     END IF;
     IF name LIKE 'broker.%' THEN
         PERFORM broker._raise('BR050', format('%s name %L is reserved: names beginning with "broker." belong to the broker', kind, name));

@@ -1,0 +1,159 @@
+"""Bad input gets its SQLSTATE and a clear message, and writes nothing."""
+from datetime import timedelta
+from uuid import uuid4
+
+import pytest
+from sqlalchemy import text
+
+import broker
+from tests.factories import SHOP, WAREHOUSE, WAREHOUSE_QUEUE, begin, broker_table_counts, target_handle
+
+HOSTILE_NAMES = [
+    "q'; DROP SCHEMA broker CASCADE; --",
+    'q"); DROP TABLE broker.queues; --',
+    "name with spaces",
+    "x" * 129,
+    "",
+    "broker.mine",
+    "tab\tname",
+    "ünïcode",
+]
+
+
+@pytest.fixture
+def conversation(engine, orders):
+    with engine.begin() as c:
+        return begin(c)
+
+
+def _closed(engine, handle):
+    with engine.begin() as c:
+        broker.end_conversation(c, handle)
+    return handle
+
+
+CASES = {
+    # name: (call, exception, sqlstate, words in the message)
+    "unknown from_service": (lambda c, h: broker.begin_dialog(c, "nobody", WAREHOUSE, "orders"),
+                             broker.UnknownObject, "BR001", "unknown service 'nobody'"),
+    "unknown to_service": (lambda c, h: broker.begin_dialog(c, SHOP, "nowhere", "orders"),
+                           broker.UnknownObject, "BR001", "no local service and no route"),
+    "unknown contract": (lambda c, h: broker.begin_dialog(c, SHOP, WAREHOUSE, "nope"),
+                         broker.UnknownObject, "BR003", "unknown contract"),
+    "contract not accepted": (lambda c, h: broker.begin_dialog(c, WAREHOUSE, SHOP, "orders"),
+                              broker.NotAllowed, "BR011", "does not accept contract"),
+    "unknown message type": (lambda c, h: broker.send(c, h, "order.nope", "x"),
+                             broker.UnknownObject, "BR002", "unknown message type"),
+    "unknown conversation": (lambda c, h: broker.send(c, uuid4(), "order.note", "x"),
+                             broker.UnknownObject, "BR005", "unknown conversation"),
+    "unknown queue": (lambda c, h: broker.receive(c, "no_queue"), broker.UnknownObject, "BR004", "unknown queue"),
+    "unknown route": (lambda c, h: broker.drop_route(c, "nowhere"), broker.UnknownObject, "BR006", "no route"),
+    "initiator sends a target's type": (lambda c, h: broker.send(c, h, "order.ack"),
+                                        broker.NotAllowed, "BR010", "does not let the initiator send"),
+    "target sends an initiator's type": (lambda c, h: broker.send(c, target_handle(c, h), "order.submit", "{}"),
+                                         broker.NotAllowed, "BR010", "does not let the target send"),
+    "user sends a system type": (lambda c, h: broker.send(c, h, "broker.end_dialog"),
+                                 broker.NotAllowed, "BR010", "sent by the broker itself"),
+    "invalid JSON": (lambda c, h: broker.send(c, h, "order.submit", "{not json"),
+                     broker.ValidationFailed, "BR012", "requires a JSON body"),
+    "invalid UTF-8 for JSON": (lambda c, h: broker.send(c, h, "order.submit", b"\xff\xfe"),
+                               broker.ValidationFailed, "BR012", "requires a JSON body"),
+    "NULL JSON body": (lambda c, h: broker.send(c, h, "order.submit", None),
+                       broker.ValidationFailed, "BR012", "got NULL"),
+    "body on an empty type": (lambda c, h: broker.send(c, target_handle(c, h), "order.ack", "x"),
+                              broker.ValidationFailed, "BR012", "must have an empty body"),
+    "NULL handle": (lambda c, h: broker.send(c, None, "order.note", "x"),
+                    broker.InvalidArgument, "BR050", "conversation_handle must not be null"),
+    "NULL message type": (lambda c, h: broker.send(c, h, None, "x"),
+                          broker.InvalidArgument, "BR050", "message type must not be null"),
+    "NULL queue name": (lambda c, h: broker.create_queue(c, None), broker.InvalidArgument, "BR050", "must not be null"),
+    "oversized body": (lambda c, h: broker.send(c, h, "order.note", b"x" * 2001),
+                       broker.InvalidArgument, "BR051", "exceeds the limit of 2000 bytes"),
+    "max_messages zero": (lambda c, h: broker.receive(c, WAREHOUSE_QUEUE, 0),
+                          broker.InvalidArgument, "BR050", "max_messages must be at least 1"),
+    "negative wait": (lambda c, h: broker.receive(c, WAREHOUSE_QUEUE, wait_ms=-1),
+                      broker.InvalidArgument, "BR050", "wait_ms must not be negative"),
+    "negative lifetime": (lambda c, h: begin(c, lifetime=timedelta(seconds=-1)),
+                          broker.InvalidArgument, "BR050", "lifetime must be positive"),
+    "negative timer": (lambda c, h: broker.begin_conversation_timer(c, h, timedelta(seconds=-1)),
+                       broker.InvalidArgument, "BR050", "timeout must be zero or positive"),
+    "error code without description": (lambda c, h: broker.end_conversation(c, h, error_code=1),
+                                       broker.InvalidArgument, "BR050", "give both or neither"),
+    "unknown validation": (lambda c, h: broker.create_message_type(c, "t1", "xml"),
+                           broker.InvalidArgument, "BR050", "unknown validation"),
+    "bad contract direction": (lambda c, h: broker.create_contract(c, "c1", {"order.note": "both"}),
+                               broker.InvalidArgument, "BR050", "sent by must be"),
+    "contract with unknown type": (lambda c, h: broker.create_contract(c, "c1", {"nope": "any"}),
+                                   broker.UnknownObject, "BR002", "unknown message type"),
+    "empty contract": (lambda c, h: broker.create_contract(c, "c1", {}),
+                       broker.InvalidArgument, "BR050", "non-empty JSON object"),
+    "duplicate queue": (lambda c, h: broker.create_queue(c, WAREHOUSE_QUEUE),
+                        broker.AlreadyExists, "BR040", "already exists"),
+    "duplicate service": (lambda c, h: broker.create_service(c, SHOP, WAREHOUSE_QUEUE),
+                          broker.AlreadyExists, "BR040", "already exists"),
+    "drop a queue in use": (lambda c, h: broker.drop_queue(c, WAREHOUSE_QUEUE),
+                            broker.InUse, "BR041", "used by a service"),
+    "drop a service with open conversations": (lambda c, h: broker.drop_service(c, SHOP),
+                                               broker.InUse, "BR041", "open conversations"),
+    "drop a type in use": (lambda c, h: broker.drop_message_type(c, "order.note"),
+                           broker.InUse, "BR041", "used by a contract"),
+    "route to a non-URL": (lambda c, h: broker.create_route(c, "far", "file:///etc/passwd"),
+                           broker.InvalidArgument, "BR050", "http:// or https:// URL"),
+    "poison threshold zero": (lambda c, h: broker.create_queue(c, "q0", poison_threshold=0),
+                              broker.InvalidArgument, "BR050", "poison_threshold must be at least 1"),
+    "send on a closed conversation": (lambda c, h: broker.send(c, h, "order.note", "x"),
+                                      broker.ConversationClosed, "BR020", "disconnected outbound"),
+    "end an ended conversation": (lambda c, h: broker.end_conversation(c, h),
+                                  broker.ConversationClosed, "BR020", "already ended"),
+}
+
+NEEDS_CLOSED = {"send on a closed conversation", "end an ended conversation"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_gets_its_sqlstate_and_writes_nothing(engine, conversation, case):
+    call, exception, sqlstate, words = CASES[case]
+    handle = _closed(engine, conversation) if case in NEEDS_CLOSED else conversation
+    with engine.begin() as c:
+        c.execute(text("UPDATE broker.node SET max_message_bytes = 2000"))
+        before = broker_table_counts(c)
+    with engine.connect() as c:
+        with pytest.raises(exception) as raised:
+            call(c, handle)
+        c.rollback()
+    assert raised.value.sqlstate == sqlstate
+    assert words in raised.value.message
+    with engine.begin() as c:
+        assert broker_table_counts(c) == before
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+@pytest.mark.parametrize("create", [
+    lambda c, n: broker.create_queue(c, n),
+    lambda c, n: broker.create_message_type(c, n),
+    lambda c, n: broker.create_service(c, n, WAREHOUSE_QUEUE),
+    lambda c, n: broker.create_contract(c, n, {"order.note": "any"}),
+], ids=["queue", "message_type", "service", "contract"])
+def test_hostile_names_are_refused_and_harmless(engine, orders, create, name):
+    with engine.begin() as c:
+        before = broker_table_counts(c)
+    with engine.connect() as c:
+        with pytest.raises(broker.InvalidArgument) as raised:
+            create(c, name)
+        c.rollback()
+    assert raised.value.sqlstate == "BR050"
+    with engine.begin() as c:
+        assert broker_table_counts(c) == before
+
+
+def test_names_are_data_never_sql(engine, orders):
+    """A valid name that looks like SQL is stored and used as plain text."""
+    with engine.begin() as c:
+        broker.create_queue(c, "q--1/drop")
+        broker.create_service(c, "svc/@#:x", "q--1/drop", ["orders"])
+        handle = broker.begin_dialog(c, SHOP, "svc/@#:x", "orders")
+        broker.send(c, handle, "order.note", "'; DROP SCHEMA broker; --")
+    with engine.begin() as c:
+        [message] = broker.receive(c, "q--1/drop")
+    assert message.body == b"'; DROP SCHEMA broker; --"
+    assert message.service_name == "svc/@#:x"
