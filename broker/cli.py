@@ -1,0 +1,78 @@
+"""The `broker` command."""
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from broker import migrate as migrations
+from broker.embedded import EmbeddedPostgres
+from broker.settings import Settings
+
+app = typer.Typer(help="Exactly-once-in-order messaging between PostgreSQL databases.", no_args_is_help=True,
+                  add_completion=False)
+console = Console()
+
+
+@contextmanager
+def database(settings: Settings) -> Iterator[tuple[str, EmbeddedPostgres | None]]:
+    """The configured database, or the embedded server in the data folder, stopped on exit."""
+    if settings.database_url:
+        yield settings.database_url, None
+        return
+    with EmbeddedPostgres(settings.data_dir) as server:
+        console.print(f"[dim]embedded PostgreSQL on 127.0.0.1:{server.port}, data in {server.pgdata}[/dim]")
+        yield server.url(), server
+
+
+class MigrateAction(str, Enum):
+    upgrade = "upgrade"
+    downgrade = "downgrade"
+    current = "current"
+
+
+@app.command()
+def migrate(
+    action: MigrateAction = typer.Argument(MigrateAction.upgrade, help="upgrade, downgrade or current"),
+    revision: str = typer.Option(None, help="target revision (default: head for upgrade, base for downgrade)"),
+) -> None:
+    """Apply the broker's Alembic migrations to BROKER_DATABASE_URL (or the embedded database)."""
+    with database(Settings()) as (url, _):
+        if action is MigrateAction.upgrade:
+            migrations.upgrade(url, revision or "head")
+        elif action is MigrateAction.downgrade:
+            migrations.downgrade(url, revision or "base")
+        else:
+            migrations.current(url)
+
+
+@app.command()
+def psql() -> None:
+    """Open psql on the broker's database (the embedded one unless BROKER_DATABASE_URL is set)."""
+    with database(Settings()) as (url, server):
+        client = str(server.bin_dir / "psql") if server else "psql"
+        raise typer.Exit(subprocess.call([client, url]))
+
+
+@app.command()
+def demo(
+    conversations: int = typer.Option(200, min=1, max=100_000, help="conversations to run"),
+    messages: int = typer.Option(5, min=1, max=1000, help="messages per conversation"),
+    readers: int = typer.Option(2, min=1, max=16, help="concurrent readers on the target queue"),
+) -> None:
+    """Run conversations on a throwaway embedded database and show that every message arrived once, in order."""
+    from broker.demo import run_demo
+
+    with tempfile.TemporaryDirectory(prefix="broker-demo-") as folder:
+        with EmbeddedPostgres(Path(folder)) as server:
+            migrations.upgrade(server.url())
+            ok = run_demo(server.url(), console, conversations=conversations, messages=messages, readers=readers)
+    raise typer.Exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,43 @@
+"""The `broker` command, run as a user runs it."""
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+BROKER = [sys.executable, "-m", "broker.cli"]
+
+
+def _run(*args, env=None, timeout=300):
+    return subprocess.run([*BROKER, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("command", [[], ["migrate"], ["psql"], ["demo"]])
+def test_every_command_has_help(command):
+    result = _run(*command, "--help")
+    assert result.returncode == 0
+    assert "Usage" in result.stdout
+
+
+def test_demo_shows_every_message_once_in_order_and_leaves_nothing_running(tmp_path):
+    result = _run("demo", "--conversations", "50", "--messages", "4", env={"TMPDIR": str(tmp_path)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Every message arrived exactly once, in order." in result.stdout
+    assert "│ duplicates" in result.stdout and "FAILED" not in result.stdout
+    assert list(tmp_path.iterdir()) == []  # its throwaway database folder is gone
+    left_running = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert left_running == []
+
+
+def test_migrate_applies_to_the_configured_database(empty_database_url):
+    assert _run("migrate", env={"BROKER_DATABASE_URL": empty_database_url}).returncode == 0
+    current = _run("migrate", "current", env={"BROKER_DATABASE_URL": empty_database_url})
+    assert current.returncode == 0
+    assert "0001" in current.stdout + current.stderr
+
+
+def test_a_bad_argument_exits_with_usage_error():
+    result = _run("demo", "--conversations", "0")
+    assert result.returncode == 2
