@@ -1,0 +1,1 @@
+"""The REST API and the node-to-node transport (FastAPI)."""

@@ -1,0 +1,1 @@
+"""The Spark job that ingests committed destination queues into Parquet."""

@@ -62,20 +62,23 @@ def template_database(admin_url):
     return TEMPLATE
 
 
-@pytest.fixture
-def database_url(admin_url, template_database):
+def _fresh_database(admin_url: str, template: str = "template1"):
     name = f"broker_test_{uuid.uuid4().hex[:12]}"
-    admin_execute(admin_url, f"CREATE DATABASE {name} TEMPLATE {template_database}")
+    admin_execute(admin_url, f"CREATE DATABASE {name} TEMPLATE {template}")
     yield with_database(admin_url, name)
     admin_execute(admin_url, f"DROP DATABASE {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def database_url(admin_url, template_database):
+    """A migrated database of its own."""
+    yield from _fresh_database(admin_url, template_database)
 
 
 @pytest.fixture
 def empty_database_url(admin_url):
-    name = f"broker_empty_{uuid.uuid4().hex[:12]}"
-    admin_execute(admin_url, f"CREATE DATABASE {name}")
-    yield with_database(admin_url, name)
-    admin_execute(admin_url, f"DROP DATABASE {name} WITH (FORCE)")
+    """A database with no broker schema."""
+    yield from _fresh_database(admin_url)
 
 
 @pytest.fixture
