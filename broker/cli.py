@@ -51,6 +51,37 @@ def migrate(
 
 
 @app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    port: int = typer.Option(8080, min=1, max=65535, help="port to listen on"),
+    relay: bool = typer.Option(True, help="run the relay in this process"),
+    migrate: bool = typer.Option(True, help="apply the migrations first"),
+) -> None:
+    """Run a node: the HTTP API and transport endpoint, and the relay (embedded PostgreSQL unless configured)."""
+    import threading
+
+    import uvicorn
+
+    from api.main import create_app
+    from broker.relay import Relay
+
+    with database(Settings()) as (url, _):
+        if migrate:
+            migrations.upgrade(url)
+        stop = threading.Event()
+        relaying = threading.Thread(target=Relay(url).run, args=(stop,), name="relay", daemon=True)
+        if relay:
+            relaying.start()
+        console.print(f"node listening on http://{host}:{port}" + (" with its relay" if relay else ""))
+        try:
+            uvicorn.run(create_app(url), host=host, port=port, log_level="warning")
+        finally:
+            stop.set()
+            if relay:
+                relaying.join(timeout=10)
+
+
+@app.command()
 def psql() -> None:
     """Open psql on the broker's database (the embedded one unless BROKER_DATABASE_URL is set)."""
     with database(Settings()) as (url, server):

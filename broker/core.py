@@ -95,9 +95,10 @@ def drop_service(executor: Executor, name: str) -> None:
     _call(executor, "SELECT broker.drop_service(:name)", name=name)
 
 
-def create_route(executor: Executor, service_name: str, address: str, broker_instance: UUID | None = None) -> None:
-    _call(executor, "SELECT broker.create_route(:service, :address, :instance)",
-          service=service_name, address=address, instance=broker_instance)
+def create_route(executor: Executor, service_name: str, address: str, broker_instance: UUID, secret: str) -> None:
+    """Where a remote service lives: its node's base URL and instance id, and the secret shared with that node."""
+    _call(executor, "SELECT broker.create_route(:service, :address, :instance, :secret)",
+          service=service_name, address=address, instance=broker_instance, secret=secret)
 
 
 def drop_route(executor: Executor, service_name: str) -> None:

@@ -14,7 +14,7 @@ def _run(*args, env=None, timeout=300):
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("command", [[], ["migrate"], ["psql"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["migrate"], ["psql"], ["demo"], ["serve"]])
 def test_every_command_has_help(command):
     result = _run(*command, "--help")
     assert result.returncode == 0
@@ -35,7 +35,7 @@ def test_migrate_applies_to_the_configured_database(empty_database_url):
     assert _run("migrate", env={"BROKER_DATABASE_URL": empty_database_url}).returncode == 0
     current = _run("migrate", "current", env={"BROKER_DATABASE_URL": empty_database_url})
     assert current.returncode == 0
-    assert "0001" in current.stdout + current.stderr
+    assert "0002" in current.stdout + current.stderr
 
 
 def test_a_bad_argument_exits_with_usage_error():

@@ -3,6 +3,7 @@ import json
 import threading
 import time
 from datetime import timedelta
+from uuid import uuid4
 
 import pytest
 from sqlalchemy import text
@@ -207,7 +208,7 @@ def test_queue_status_shows_depth_age_and_readers(engine, orders):
 
 def test_remote_send_waits_in_the_transmission_queue(engine, orders):
     with engine.begin() as c:
-        broker.create_route(c, "far_away", "http://127.0.0.1:9/")
+        broker.create_route(c, "far_away", "http://127.0.0.1:9/", uuid4(), "a-secret-of-16-chars")
         handle = broker.begin_dialog(c, "shop", "far_away", "orders")
         assert broker.send(c, handle, "order.submit", json.dumps({"sku": 1})) == 1
         broker.end_conversation(c, handle)

@@ -9,6 +9,7 @@ from sqlalchemy import create_engine, text
 from broker import migrate
 
 ROOT = Path(__file__).resolve().parent.parent
+HEAD = "0002"
 
 
 def _schema_state(url):
@@ -24,11 +25,11 @@ def _schema_state(url):
 
 def test_upgrade_downgrade_upgrade(empty_database_url):
     migrate.upgrade(empty_database_url)
-    assert _schema_state(empty_database_url) == (True, "0001")
+    assert _schema_state(empty_database_url) == (True, HEAD)
     migrate.downgrade(empty_database_url)
     assert _schema_state(empty_database_url) == (False, None)
     migrate.upgrade(empty_database_url)
-    assert _schema_state(empty_database_url) == (True, "0001")
+    assert _schema_state(empty_database_url) == (True, HEAD)
 
 
 def test_an_applications_own_alembic_history_is_left_alone(empty_database_url):
@@ -48,4 +49,4 @@ def test_plain_alembic_command_takes_the_url_from_the_environment(empty_database
     env = {**os.environ, "BROKER_DATABASE_URL": empty_database_url}
     subprocess.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=ROOT, env=env, check=True,
                    capture_output=True, timeout=120)
-    assert _schema_state(empty_database_url) == (True, "0001")
+    assert _schema_state(empty_database_url) == (True, HEAD)

@@ -296,6 +296,23 @@ BEGIN
     END IF;
 END $$;
 
+-- Checks that the contract lets this side (the initiator's or the target's)
+-- send the message type, and that the body passes the type's validation.
+CREATE FUNCTION broker._check_message(contract_id integer, sent_by_initiator boolean, mt broker.message_types,
+                                      body bytea) RETURNS void
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    side text := CASE WHEN sent_by_initiator THEN 'initiator' ELSE 'target' END;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM broker.contract_message_types cmt
+                   WHERE cmt.contract_id = _check_message.contract_id AND cmt.message_type_id = mt.message_type_id
+                     AND cmt.sent_by IN ('any', side)) THEN
+        PERFORM broker._raise('BR010', format('contract %L does not let the %s send message type %L',
+            (SELECT name FROM broker.contracts c WHERE c.contract_id = _check_message.contract_id), side, mt.name));
+    END IF;
+    PERFORM broker._validate_body(mt, body);
+END $$;
+
 -- A commit-ordered position: the writer's transaction id in the high bits and
 -- a counter within the transaction in the low 20 bits.  Every row with a
 -- position below broker.committed_position_horizon() was written by a
@@ -824,14 +841,7 @@ BEGIN
         PERFORM broker._raise('BR010', format('message type %L is sent by the broker itself', message_type),
             'use broker.end_conversation to end a conversation or report an error');
     END IF;
-    IF NOT EXISTS (SELECT 1 FROM broker.contract_message_types cmt
-                   WHERE cmt.contract_id = sender.contract_id AND cmt.message_type_id = mt.message_type_id
-                     AND cmt.sent_by IN ('any', CASE WHEN sender.is_initiator THEN 'initiator' ELSE 'target' END)) THEN
-        PERFORM broker._raise('BR010', format('contract %L does not let the %s send message type %L',
-            (SELECT name FROM broker.contracts WHERE contract_id = sender.contract_id),
-            CASE WHEN sender.is_initiator THEN 'initiator' ELSE 'target' END, message_type));
-    END IF;
-    PERFORM broker._validate_body(mt, body);
+    PERFORM broker._check_message(sender.contract_id, sender.is_initiator, mt, body);
     IF sender.far_is_local THEN
         SELECT q.* INTO far_queue FROM broker.queues q JOIN broker.endpoints e USING (queue_id)
         WHERE e.conversation_id = sender.conversation_id AND e.is_initiator <> sender.is_initiator;

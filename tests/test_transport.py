@@ -1,0 +1,320 @@
+"""Two nodes, each a real `broker serve` process on its own database, conversing over HTTP."""
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+import broker
+from broker import signing
+from tests.conftest import _fresh_database
+
+SECRET = "shared-secret-between-a-and-b"
+MESSAGE_TYPES = [("order.submit", "json"), ("order.note", "none"), ("order.ack", "empty")]
+CONTRACTS = {"orders": {"order.submit": "initiator", "order.ack": "target", "order.note": "any"},
+             "audit": {"order.note": "any"}}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(predicate, timeout_s=30.0, what="the condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class Node:
+    """A database and the `broker serve` process (API + relay) on it."""
+
+    def __init__(self, name, database_url, log_dir):
+        self.name = name
+        self.database_url = database_url
+        self.engine = create_engine(database_url)
+        self.port = _free_port()
+        self.address = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"{name}.log"
+        self.process = None
+        with self.engine.connect() as c:
+            self.instance = c.execute(text("SELECT broker_instance FROM broker.node")).scalar_one()
+
+    def start(self):
+        env = {**os.environ, "BROKER_DATABASE_URL": self.database_url}
+        with open(self.log, "a") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "broker.cli", "serve", "--port", str(self.port), "--no-migrate"],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._healthy, 30, f"node {self.name} to answer /healthz")
+
+    def _healthy(self):
+        if self.process.poll() is not None:
+            raise AssertionError(f"node {self.name} exited: {self.log.read_text()[-2000:]}")
+        try:
+            return httpx.get(f"{self.address}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self):
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=20)
+
+    def receive_all(self, queue, count, timeout_s=30.0):
+        """Receives until `count` messages arrived, committing each batch."""
+        messages = []
+        deadline = time.monotonic() + timeout_s
+        while len(messages) < count and time.monotonic() < deadline:
+            with self.engine.begin() as c:
+                messages += broker.receive(c, queue, 100, wait_ms=200)
+        assert len(messages) == count, f"{self.name} received {len(messages)} of {count}"
+        return messages
+
+    def scalar(self, sql, **params):
+        with self.engine.connect() as c:
+            return c.execute(text(sql), params).scalar_one()
+
+
+def _define(node, queue, service):
+    with node.engine.begin() as c:
+        for name, validation in MESSAGE_TYPES:
+            broker.create_message_type(c, name, validation)
+        for name, types in CONTRACTS.items():
+            broker.create_contract(c, name, types)
+        broker.create_queue(c, queue)
+        broker.create_service(c, service, queue, ["orders"])
+
+
+@pytest.fixture
+def nodes(admin_url, template_database, tmp_path):
+    databases = [_fresh_database(admin_url, template_database) for _ in range(2)]
+    a, b = (Node(name, next(db), tmp_path) for name, db in zip("ab", databases))
+    _define(a, "shop_queue", "shop")
+    _define(b, "warehouse_queue", "warehouse")
+    with a.engine.begin() as c:
+        broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
+    with b.engine.begin() as c:
+        broker.create_route(c, "shop", a.address, a.instance, SECRET)
+    a.start()
+    b.start()
+    yield a, b
+    for node in (a, b):
+        node.stop()
+        node.engine.dispose()
+    for db in databases:
+        next(db, None)
+
+
+def _by_conversation(messages):
+    grouped = {}
+    for m in messages:
+        grouped.setdefault(m.conversation_id, []).append(m)
+    return grouped
+
+
+def test_conversations_cross_in_both_directions_and_end_on_both_sides(nodes):
+    a, b = nodes
+    with a.engine.begin() as c:
+        from_a = [broker.begin_dialog(c, "shop", "warehouse", "orders") for _ in range(20)]
+        for handle in from_a:
+            for i in range(10):
+                broker.send(c, handle, "order.submit", json.dumps({"line": i + 1}))
+    with b.engine.begin() as c:
+        from_b = broker.begin_dialog(c, "warehouse", "shop", "orders")
+        broker.send(c, from_b, "order.submit", '{"line": 1}')
+        broker.end_conversation(c, from_b)
+
+    at_b = _by_conversation(b.receive_all("warehouse_queue", 200))
+    assert len(at_b) == 20
+    for messages in at_b.values():
+        assert [(m.message_sequence_number, m.json()["line"]) for m in messages] == [(i, i) for i in range(1, 11)]
+    with b.engine.begin() as c:
+        for messages in at_b.values():
+            broker.send(c, messages[0].conversation_handle, "order.ack")
+            broker.end_conversation(c, messages[0].conversation_handle)
+
+    at_a = _by_conversation(a.receive_all("shop_queue", 20 * 2 + 2))
+    for conversation, messages in at_a.items():
+        kinds = [m.message_type for m in messages]
+        if kinds[0] == "order.submit":  # the conversation b began
+            assert kinds == ["order.submit", "broker.end_dialog"]
+        else:
+            assert kinds == ["order.ack", "broker.end_dialog"]
+            assert [m.message_sequence_number for m in messages] == [1, 2]
+    with a.engine.begin() as c:
+        for messages in at_a.values():
+            broker.end_conversation(c, messages[0].conversation_handle)
+    for node in (a, b):
+        wait_for(lambda: node.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30,
+                 f"{node.name}'s transmission queue to drain")
+        assert node.scalar("SELECT count(*) FROM broker.conversation_endpoints WHERE state <> 'closed'") == 0
+
+
+def test_an_error_ending_crosses_to_the_far_node(nodes):
+    a, b = nodes
+    with a.engine.begin() as c:
+        handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
+        broker.send(c, handle, "order.note", "hello")
+    [message] = b.receive_all("warehouse_queue", 1)
+    with b.engine.begin() as c:
+        broker.end_conversation(c, message.conversation_handle, error_code=409, error_description="no stock")
+    [error] = a.receive_all("shop_queue", 1)
+    assert (error.message_type, error.json()) == ("broker.error", {"code": 409, "description": "no stock"})
+
+
+def test_a_refused_contract_ends_the_conversation_with_broker_error_at_the_sender(nodes):
+    a, b = nodes
+    with a.engine.begin() as c:
+        handle = broker.begin_dialog(c, "shop", "warehouse", "audit")
+        broker.send(c, handle, "order.note", "not welcome")
+    [error] = a.receive_all("shop_queue", 1)
+    assert error.message_type == "broker.error"
+    assert error.json()["code"] == -3 and "does not accept contract" in error.json()["description"]
+    assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0
+    assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
+
+
+def test_a_peer_down_for_a_while_gets_everything_in_order_when_it_returns(nodes):
+    a, b = nodes
+    b.stop()
+    with a.engine.begin() as c:
+        handles = [broker.begin_dialog(c, "shop", "warehouse", "orders") for _ in range(30)]
+    for i in range(10):
+        with a.engine.begin() as c:
+            for handle in handles:
+                broker.send(c, handle, "order.note", str(i + 1))
+    status = wait_for(lambda: a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status"
+                                       " WHERE attempts > 0"), 15, "a failed attempt to be recorded")
+    assert "cannot reach" in status and "next at" in status
+    b.start()
+    at_b = _by_conversation(b.receive_all("warehouse_queue", 300, timeout_s=60))
+    for messages in at_b.values():
+        assert [(m.message_sequence_number, m.body) for m in messages] == [(i, str(i).encode()) for i in range(1, 11)]
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the queue to drain")
+
+
+def test_a_lifetime_that_ends_while_the_peer_is_down_gives_broker_error_on_both_sides(nodes):
+    a, b = nodes
+    with a.engine.begin() as c:
+        handle = broker.begin_dialog(c, "shop", "warehouse", "orders", lifetime=timedelta(seconds=4))
+        broker.send(c, handle, "order.note", "first")
+    wait_for(lambda: b.scalar("SELECT count(*) FROM broker.queue_messages") == 1, 15, "the first message")
+    b.stop()
+    with a.engine.begin() as c:
+        broker.send(c, handle, "order.note", "second, never delivered")
+    [error_at_a] = a.receive_all("shop_queue", 1, timeout_s=15)
+    assert error_at_a.message_type == "broker.error" and "lifetime expired" in error_at_a.json()["description"]
+    b.start()
+    at_b = b.receive_all("warehouse_queue", 2, timeout_s=15)
+    # b's own notice of the expiry carries number 0, so it comes first in its conversation
+    assert [(m.message_sequence_number, m.message_type) for m in at_b] == [(0, "broker.error"), (1, "order.note")]
+    assert "lifetime expired" in at_b[0].json()["description"]
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the queue to drain")
+
+
+# Hostile input posted straight to the transport endpoint.
+
+
+def _batch(conversation_id, numbers, *, to_service="warehouse", message_type="order.note", body=None):
+    return {"conversations": [{
+        "conversation_id": str(conversation_id), "sender_is_initiator": True, "from_service": "shop",
+        "to_service": to_service, "contract": "orders", "expires_at": None,
+        "messages": [{"sequence_number": n, "message_type": message_type,
+                      "body": base64.b64encode(body or str(n).encode()).decode()} for n in numbers]}]}
+
+
+def _post(node, sender, body: bytes, *, secret=SECRET, headers=None):
+    signed = signing.signed_headers(secret, str(sender.instance), body)
+    return httpx.post(f"{node.address}/transport/v1/batches", content=body,
+                      headers={**signed, **(headers or {})}, timeout=30)
+
+
+def _stored(node):
+    with node.engine.connect() as c:
+        return c.execute(text("SELECT message_sequence_number, convert_from(body, 'UTF8') FROM broker.queue_messages"
+                              " ORDER BY message_sequence_number")).all()
+
+
+def test_duplicated_reordered_and_gapped_batches_store_each_message_once_in_order(nodes):
+    a, b = nodes
+    conversation = uuid.uuid4()
+    first = _post(b, a, json.dumps(_batch(conversation, [2, 1, 1, 3, 5])).encode())
+    assert first.status_code == 200
+    assert first.json()["results"][0]["acknowledged"] == 3  # 5 is past a gap: refused, to be resent
+    body = json.dumps(_batch(conversation, [1, 2, 3, 4, 5])).encode()
+    assert _post(b, a, body).json()["results"][0]["acknowledged"] == 5
+    replay = _post(b, a, body)  # the same request again
+    assert replay.json()["results"][0]["acknowledged"] == 5
+    assert [tuple(r) for r in _stored(b)] == [(n, str(n)) for n in range(1, 6)]
+    signing.matching_secret([SECRET], first.headers[signing.TIMESTAMP_HEADER],
+                            first.headers[signing.SIGNATURE_HEADER], first.content)
+
+
+def test_one_bad_conversation_does_not_spoil_the_batch(nodes):
+    a, b = nodes
+    good, unknown, invalid = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    batch = {"conversations": (_batch(good, [1])["conversations"] + _batch(unknown, [1], to_service="nobody")["conversations"]
+                               + _batch(invalid, [1], message_type="order.submit", body=b"{oops")["conversations"])}
+    answer = _post(b, a, json.dumps(batch).encode()).json()
+    results = {r["conversation_id"]: r for r in answer["results"]}
+    assert results[str(good)]["acknowledged"] == 1 and "refused" not in results[str(good)]
+    assert results[str(unknown)]["refused"]["sqlstate"] == "BR001"
+    assert results[str(invalid)]["refused"]["sqlstate"] == "BR012"
+    assert [tuple(r) for r in _stored(b)] == [(1, "1")]
+
+
+@pytest.mark.parametrize("tamper,reason", [
+    (lambda body: {signing.SIGNATURE_HEADER: "0" * 64}, "does not match"),
+    (lambda body: {signing.TIMESTAMP_HEADER: str(int(time.time()) - 3600)}, "away from this node's clock"),
+    (lambda body: {signing.SIGNATURE_HEADER: ""}, "not signed"),
+], ids=["wrong signature", "stale timestamp", "unsigned"])
+def test_requests_not_signed_by_a_known_peer_are_refused(nodes, tamper, reason):
+    a, b = nodes
+    body = json.dumps(_batch(uuid.uuid4(), [1])).encode()
+    response = _post(b, a, body, headers=tamper(body))
+    assert response.status_code == 401
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["type"] == "/problems/bad-signature" and reason in response.json()["detail"]
+    assert _stored(b) == []
+
+
+def test_a_request_from_an_unknown_instance_or_with_the_wrong_secret_is_refused(nodes):
+    a, b = nodes
+    body = json.dumps(_batch(uuid.uuid4(), [1])).encode()
+    assert _post(b, a, body, secret="some-other-secret-value").status_code == 401
+    stranger = httpx.post(f"{b.address}/transport/v1/batches", content=body,
+                          headers=signing.signed_headers(SECRET, str(uuid.uuid4()), body))
+    assert stranger.status_code == 401
+    assert _stored(b) == []
+
+
+@pytest.mark.parametrize("body", [b"{not json", b'{"conversations": 5}', b"[]",
+                                  json.dumps({"conversations": [{"conversation_id": "x"}]}).encode()],
+                         ids=["not JSON", "wrong type", "array", "missing fields"])
+def test_malformed_batches_get_a_problem_and_store_nothing(nodes, body):
+    a, b = nodes
+    response = _post(b, a, body)
+    assert response.status_code == 400
+    assert response.json()["type"] == "/problems/malformed-batch"
+    assert _stored(b) == []
+
+
+def test_a_huge_body_gets_413(nodes):
+    a, b = nodes
+    response = httpx.post(f"{b.address}/transport/v1/batches", content=b"x" * (65 * 1024 * 1024), timeout=60)
+    assert response.status_code == 413
+    assert response.json()["type"] == "/problems/batch-too-large"
