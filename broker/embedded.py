@@ -74,7 +74,7 @@ class EmbeddedPostgres:
             log.info("reattached to the embedded PostgreSQL on port %s (pid %s)", running.port, running.pid)
             self.port = running.port
         else:
-            self.port = _free_port()
+            self.port = self.port or _free_port()  # a restart keeps its port, so URLs stay valid
             options = f"-h 127.0.0.1 -p {self.port} -k ''"
             try:
                 self._pg_ctl("-w", "-t", "60", "-o", options, "-l", str(self.log_file), "-D", str(self.pgdata), "start")
@@ -97,12 +97,13 @@ class EmbeddedPostgres:
         finally:
             connection.close()
 
-    def stop(self) -> None:
+    def stop(self, mode: str = "fast") -> None:
+        """Stops the server: "fast" (the default) or "immediate" (like a crash; recovery runs on the next start)."""
         running = PostmasterInfo.read_from_pgdata(self.pgdata)
         if running is None or not running.is_running():
             return
-        self._pg_ctl("-w", "-D", str(self.pgdata), "stop", "-m", "fast")
-        log.info("stopped the embedded PostgreSQL")
+        self._pg_ctl("-w", "-D", str(self.pgdata), "stop", "-m", mode)
+        log.info("stopped the embedded PostgreSQL (%s)", mode)
 
     def url(self, database: str = DATABASE) -> str:
         if self.port is None:

@@ -17,6 +17,7 @@ from datetime import timedelta
 import httpx
 import psycopg2
 from sqlalchemy import create_engine, text
+from sqlalchemy.exc import DBAPIError
 
 from broker import signing
 
@@ -56,24 +57,39 @@ class Relay:
         self.delivered = 0
 
     def run(self, stop: threading.Event) -> None:
-        """Relays until stop is set, woken by notifications of new messages or by a due retry."""
-        listener = psycopg2.connect(self.database_url)
-        listener.autocommit = True
-        listener.cursor().execute(f"LISTEN {NOTIFY_CHANNEL}")
+        """Relays until stop is set, woken by notifications of new messages or by a due retry.
+
+        A database that goes away (restart, crash, cut connection) is waited for, not fatal.
+        """
+        listener = None
         try:
             while not stop.is_set():
                 try:
+                    listener = listener or self._listen()
                     idle_s = self.run_once()
+                    if idle_s > 0 and select.select([listener], [], [], idle_s)[0]:
+                        listener.poll()
+                        listener.notifies.clear()
+                except (psycopg2.Error, DBAPIError) as error:
+                    log.warning("database unavailable (%s); retrying in a second", str(error).splitlines()[0])
+                    if listener is not None:
+                        listener.close()
+                        listener = None
+                    stop.wait(1)
                 except Exception:
-                    log.exception("relay cycle failed; retrying")
-                    idle_s = IDLE_WAKE_S
-                if idle_s > 0 and select.select([listener], [], [], idle_s)[0]:
-                    listener.poll()
-                    listener.notifies.clear()
+                    log.exception("relay cycle failed; retrying in a second")
+                    stop.wait(1)
         finally:
-            listener.close()
+            if listener is not None:
+                listener.close()
             self.client.close()
             self.engine.dispose()
+
+    def _listen(self):
+        listener = psycopg2.connect(self.database_url)
+        listener.autocommit = True
+        listener.cursor().execute(f"LISTEN {NOTIFY_CHANNEL}")
+        return listener
 
     def run_once(self) -> float:
         """Sends to every destination that is due; returns how long to wait before anything else is due."""

@@ -1,0 +1,98 @@
+"""Nodes for tests: a database and a real `broker serve` process on it."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from sqlalchemy import create_engine, text
+
+import broker
+
+SECRET = "shared-secret-between-a-and-b"
+MESSAGE_TYPES = [("order.submit", "json"), ("order.note", "none"), ("order.ack", "empty")]
+CONTRACTS = {"orders": {"order.submit": "initiator", "order.ack": "target", "order.note": "any"},
+             "audit": {"order.note": "any"}}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(predicate, timeout_s=30.0, what="the condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class Node:
+    """A database and the `broker serve` process (API + relay) on it."""
+
+    def __init__(self, name, database_url, log_dir, port=None):
+        self.name = name
+        self.database_url = database_url
+        self.engine = create_engine(database_url, pool_pre_ping=True)
+        self.port = port or free_port()
+        self.address = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"{name}.log"
+        self.process = None
+        with self.engine.connect() as c:
+            self.instance = c.execute(text("SELECT broker_instance FROM broker.node")).scalar_one()
+
+    def start(self):
+        env = {**os.environ, "BROKER_DATABASE_URL": self.database_url}
+        with open(self.log, "a") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "broker.cli", "serve", "--port", str(self.port), "--no-migrate"],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._healthy, 30, f"node {self.name} to answer /healthz")
+
+    def _healthy(self):
+        if self.process.poll() is not None:
+            raise AssertionError(f"node {self.name} exited: {self.log.read_text()[-2000:]}")
+        try:
+            return httpx.get(f"{self.address}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self):
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=20)
+
+    def kill(self):
+        """SIGKILL: the process gets no chance to finish anything."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=20)
+
+    def receive_all(self, queue, count, timeout_s=30.0):
+        """Receives until `count` messages arrived, committing each batch."""
+        messages = []
+        deadline = time.monotonic() + timeout_s
+        while len(messages) < count and time.monotonic() < deadline:
+            with self.engine.begin() as c:
+                messages += broker.receive(c, queue, 100, wait_ms=200)
+        assert len(messages) == count, f"{self.name} received {len(messages)} of {count}"
+        return messages
+
+    def scalar(self, sql, **params):
+        with self.engine.connect() as c:
+            return c.execute(text(sql), params).scalar_one()
+
+
+def define_node(node, queue, service):
+    with node.engine.begin() as c:
+        for name, validation in MESSAGE_TYPES:
+            broker.create_message_type(c, name, validation)
+        for name, types in CONTRACTS.items():
+            broker.create_contract(c, name, types)
+        broker.create_queue(c, queue)
+        broker.create_service(c, service, queue, ["orders"])
