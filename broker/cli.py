@@ -56,6 +56,8 @@ def serve(
     port: int = typer.Option(8080, min=1, max=65535, help="port to listen on"),
     relay: bool = typer.Option(True, help="run the relay in this process"),
     migrate: bool = typer.Option(True, help="apply the migrations first"),
+    tls_cert: Path = typer.Option(None, exists=True, dir_okay=False, help="serve HTTPS with this certificate (PEM)"),
+    tls_key: Path = typer.Option(None, exists=True, dir_okay=False, help="the certificate's private key (PEM)"),
 ) -> None:
     """Run a node: the HTTP API and transport endpoint, and the relay (embedded PostgreSQL unless configured)."""
     import threading
@@ -65,16 +67,23 @@ def serve(
     from api.main import create_app
     from broker.relay import Relay
 
-    with database(Settings()) as (url, _):
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("give --tls-cert and --tls-key together")
+    settings = Settings()
+    with database(settings) as (url, _):
         if migrate:
             migrations.upgrade(url)
         stop = threading.Event()
-        relaying = threading.Thread(target=Relay(url).run, args=(stop,), name="relay", daemon=True)
+        ca_file = str(settings.tls_ca_file) if settings.tls_ca_file else None
+        relaying = threading.Thread(target=Relay(url, tls_ca_file=ca_file).run, args=(stop,), name="relay",
+                                    daemon=True)
         if relay:
             relaying.start()
-        console.print(f"node listening on http://{host}:{port}" + (" with its relay" if relay else ""))
+        scheme = "https" if tls_cert else "http"
+        console.print(f"node listening on {scheme}://{host}:{port}" + (" with its relay" if relay else ""))
         try:
-            uvicorn.run(create_app(url), host=host, port=port, log_level="warning")
+            uvicorn.run(create_app(url), host=host, port=port, log_level="warning",
+                        ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
         finally:
             stop.set()
             if relay:

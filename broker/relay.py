@@ -48,10 +48,11 @@ def backoff_s(failures_in_a_row: int) -> float:
 
 
 class Relay:
-    def __init__(self, database_url: str, *, batch_size: int = 1000, timeout_s: float = 30.0):
+    def __init__(self, database_url: str, *, batch_size: int = 1000, timeout_s: float = 30.0,
+                 tls_ca_file: str | None = None):
         self.database_url = database_url
         self.engine = create_engine(database_url, pool_size=2, pool_pre_ping=True)
-        self.client = httpx.Client(timeout=timeout_s)
+        self.client = httpx.Client(timeout=timeout_s, verify=tls_ca_file or True)
         self.batch_size = batch_size
         self.failures_in_a_row: dict[str, int] = {}
         self.delivered = 0

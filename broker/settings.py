@@ -11,6 +11,8 @@ class Settings(BaseSettings):
     database_url: str | None = None
     # Where the embedded server keeps its data (a pgdata folder inside).
     data_dir: Path = Path.home() / ".broker"
+    # CA bundle the relay trusts for https:// routes (default: the system's).
+    tls_ca_file: Path | None = None
 
 
 def database_url_for_migrations() -> str:

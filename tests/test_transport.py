@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import httpx
 import pytest
+import trustme
 from sqlalchemy import text
 
 import broker
@@ -14,10 +15,9 @@ from broker import signing
 from tests.conftest import _fresh_database
 from tests.nodes import SECRET, Node, define_node, wait_for
 
-@pytest.fixture
-def nodes(admin_url, template_database, tmp_path):
+def _two_nodes(admin_url, template_database, tmp_path, tls=(None, None)):
     databases = [_fresh_database(admin_url, template_database) for _ in range(2)]
-    a, b = (Node(name, next(db), tmp_path) for name, db in zip("ab", databases))
+    a, b = (Node(name, next(db), tmp_path, tls=node_tls) for name, db, node_tls in zip("ab", databases, tls))
     define_node(a, "shop_queue", "shop")
     define_node(b, "warehouse_queue", "warehouse")
     with a.engine.begin() as c:
@@ -32,6 +32,27 @@ def nodes(admin_url, template_database, tmp_path):
         node.engine.dispose()
     for db in databases:
         next(db, None)
+
+
+@pytest.fixture
+def nodes(admin_url, template_database, tmp_path):
+    yield from _two_nodes(admin_url, template_database, tmp_path)
+
+
+@pytest.fixture
+def tls_nodes(admin_url, template_database, tmp_path):
+    """Two HTTPS nodes; a trusts the CA that signed b's certificate, b does not trust a's."""
+    ca = trustme.CA()
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    tls = []
+    for name, trusted_ca in (("a", ca_file), ("b", None)):
+        certificate = ca.issue_cert("127.0.0.1")
+        cert, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+        certificate.cert_chain_pems[0].write_to_path(str(cert))
+        certificate.private_key_pem.write_to_path(str(key))
+        tls.append({"cert": cert, "key": key, "ca": trusted_ca})
+    yield from _two_nodes(admin_url, template_database, tmp_path, tls=tls)
 
 
 def _by_conversation(messages):
@@ -207,6 +228,15 @@ def test_requests_not_signed_by_a_known_peer_are_refused(nodes, tamper, reason):
     assert _stored(b) == []
 
 
+def test_a_body_truncated_after_signing_is_refused(nodes):
+    a, b = nodes
+    body = json.dumps(_batch(uuid.uuid4(), [1, 2, 3])).encode()
+    response = httpx.post(f"{b.address}/transport/v1/batches", content=body[:-10],
+                          headers=signing.signed_headers(SECRET, str(a.instance), body))
+    assert response.status_code == 401
+    assert _stored(b) == []
+
+
 def test_a_request_from_an_unknown_instance_or_with_the_wrong_secret_is_refused(nodes):
     a, b = nodes
     body = json.dumps(_batch(uuid.uuid4(), [1])).encode()
@@ -218,8 +248,9 @@ def test_a_request_from_an_unknown_instance_or_with_the_wrong_secret_is_refused(
 
 
 @pytest.mark.parametrize("body", [b"{not json", b'{"conversations": 5}', b"[]",
-                                  json.dumps({"conversations": [{"conversation_id": "x"}]}).encode()],
-                         ids=["not JSON", "wrong type", "array", "missing fields"])
+                                  json.dumps({"conversations": [{"conversation_id": "x"}]}).encode(),
+                                  json.dumps(_batch(uuid.uuid4(), [1, 2, 3])).encode()[:120]],
+                         ids=["not JSON", "wrong type", "array", "missing fields", "truncated"])
 def test_malformed_batches_get_a_problem_and_store_nothing(nodes, body):
     a, b = nodes
     response = _post(b, a, body)
@@ -233,3 +264,19 @@ def test_a_huge_body_gets_413(nodes):
     response = httpx.post(f"{b.address}/transport/v1/batches", content=b"x" * (65 * 1024 * 1024), timeout=60)
     assert response.status_code == 413
     assert response.json()["type"] == "/problems/batch-too-large"
+
+
+def test_nodes_serve_tls_and_a_relay_refuses_a_peer_it_cannot_verify(tls_nodes):
+    a, b = tls_nodes
+    with a.engine.begin() as c:
+        handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
+        broker.send(c, handle, "order.note", "over TLS")
+    [message] = b.receive_all("warehouse_queue", 1)
+    assert message.body == b"over TLS"
+    with b.engine.begin() as c:
+        broker.send(c, message.conversation_handle, "order.note", "reply")
+    status = wait_for(lambda: b.scalar("SELECT min(transmission_status) FROM broker.transmission_queue"
+                                       " WHERE attempts > 0"), 15, "b's failed attempt to be recorded")
+    assert "CERTIFICATE_VERIFY_FAILED" in status
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{b.port}/healthz", timeout=2)  # plain HTTP to the TLS port
