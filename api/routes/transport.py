@@ -13,8 +13,7 @@ from broker import signing
 
 router = APIRouter()
 
-SECRETS_OF_PEER = text("SELECT DISTINCT peer_secret FROM broker.routes WHERE broker_instance = :instance"
-                       " AND peer_secret IS NOT NULL")
+SECRETS_OF_PEER = text("SELECT DISTINCT peer_secret FROM broker.routes WHERE broker_instance = :instance")
 ACCEPT_BATCH = text("SELECT broker.accept_transport_batch(:instance, CAST(:batch AS jsonb))")
 
 

@@ -70,13 +70,18 @@ CREATE TABLE broker.service_contracts (
     PRIMARY KEY (service_id, contract_id)
 );
 
+-- peer_secret is shared with the peer node: requests and answers are signed
+-- with HMAC-SHA256 under it, so it cannot be kept as a hash.
 CREATE TABLE broker.routes (
     route_id         serial PRIMARY KEY,
     service_name     text NOT NULL UNIQUE,
     address          text NOT NULL,
-    broker_instance  uuid,
+    broker_instance  uuid NOT NULL,
+    peer_secret      text NOT NULL,
     created_at       timestamptz NOT NULL DEFAULT now()
 );
+CREATE INDEX routes_address ON broker.routes (address);
+CREATE INDEX routes_broker_instance ON broker.routes (broker_instance);
 
 ------------------------------------------------------------------------------
 -- Conversations
@@ -740,7 +745,7 @@ BEGIN
     DELETE FROM broker.services WHERE service_id = s.service_id;
 END $$;
 
-CREATE FUNCTION broker.create_route(service_name text, address text, broker_instance uuid DEFAULT NULL) RETURNS void
+CREATE FUNCTION broker.create_route(service_name text, address text, broker_instance uuid, secret text) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM broker._check_name('service', service_name);
@@ -748,13 +753,17 @@ BEGIN
         PERFORM broker._raise('BR050', format('route address must be an http:// or https:// URL, got %s',
             left(quote_nullable(address), 200)));
     END IF;
-    INSERT INTO broker.routes (service_name, address, broker_instance)
-    VALUES (create_route.service_name, create_route.address, create_route.broker_instance);
+    PERFORM broker._require('broker_instance', broker_instance);
+    IF secret IS NULL OR length(secret) < 16 THEN
+        PERFORM broker._raise('BR050', 'the route''s secret must have at least 16 characters');
+    END IF;
+    INSERT INTO broker.routes (service_name, address, broker_instance, peer_secret)
+    VALUES (create_route.service_name, rtrim(create_route.address, '/'), create_route.broker_instance, secret);
 EXCEPTION WHEN unique_violation THEN
     PERFORM broker._raise('BR040', format('a route for service %L already exists', service_name));
 END $$;
-COMMENT ON FUNCTION broker.create_route(text, text, uuid) IS
-    'Tells where a remote service lives: the base URL of its node''s transport endpoint.';
+COMMENT ON FUNCTION broker.create_route(text, text, uuid, text) IS
+    'Tells where a remote service lives: its node''s base URL, broker_instance and the secret shared with that node.';
 
 CREATE FUNCTION broker.drop_route(service_name text) RETURNS void
 LANGUAGE plpgsql AS $$

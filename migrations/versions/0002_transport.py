@@ -1,4 +1,4 @@
-"""Between nodes: route credentials, accepting transport batches, the relay's queries.
+"""Between nodes: accepting transport batches, and the relay's queries.
 
 Revision ID: 0002
 Revises: 0001

@@ -1,33 +1,5 @@
--- Between nodes: route credentials, accepting a transport batch, and the
--- relay's side (building batches, applying acknowledgements, recording failures).
--- Frozen with revision 0002.
-
--- The secret shared with the peer node; requests and responses are signed
--- with HMAC-SHA256 under it, so the peer's copy cannot be a hash.
-ALTER TABLE broker.routes ADD COLUMN peer_secret text;
-CREATE INDEX routes_address ON broker.routes (address);
-CREATE INDEX routes_broker_instance ON broker.routes (broker_instance);
-
-DROP FUNCTION broker.create_route(text, text, uuid);
-CREATE FUNCTION broker.create_route(service_name text, address text, broker_instance uuid, secret text) RETURNS void
-LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM broker._check_name('service', service_name);
-    IF address IS NULL OR address !~ '^https?://[^\s/]+(/\S*)?$' OR length(address) > 2000 THEN
-        PERFORM broker._raise('BR050', format('route address must be an http:// or https:// URL, got %s',
-            left(quote_nullable(address), 200)));
-    END IF;
-    PERFORM broker._require('broker_instance', broker_instance);
-    IF secret IS NULL OR length(secret) < 16 THEN
-        PERFORM broker._raise('BR050', 'the route''s secret must have at least 16 characters');
-    END IF;
-    INSERT INTO broker.routes (service_name, address, broker_instance, peer_secret)
-    VALUES (create_route.service_name, rtrim(create_route.address, '/'), create_route.broker_instance, secret);
-EXCEPTION WHEN unique_violation THEN
-    PERFORM broker._raise('BR040', format('a route for service %L already exists', service_name));
-END $$;
-COMMENT ON FUNCTION broker.create_route(text, text, uuid, text) IS
-    'Tells where a remote service lives: its node''s base URL, broker_instance and the secret shared with that node.';
+-- Between nodes: accepting a transport batch, and the relay's side (building
+-- batches, applying acknowledgements, recording failures).  Frozen with revision 0002.
 
 ------------------------------------------------------------------------------
 -- Receiving side
