@@ -91,6 +91,24 @@ def serve(
 
 
 @app.command()
+def relay() -> None:
+    """Run only a relay for the database: several relays may run at once, one per destination at a time."""
+    import signal
+    import threading
+
+    from broker.relay import Relay
+
+    settings = Settings()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with database(settings) as (url, _):
+        ca_file = str(settings.tls_ca_file) if settings.tls_ca_file else None
+        console.print("relaying the transmission queue; Ctrl-C stops")
+        Relay(url, tls_ca_file=ca_file).run(stop)
+
+
+@app.command()
 def psql() -> None:
     """Open psql on the broker's database (the embedded one unless BROKER_DATABASE_URL is set)."""
     with database(Settings()) as (url, server):

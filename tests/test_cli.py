@@ -14,7 +14,7 @@ def _run(*args, env=None, timeout=300):
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("command", [[], ["migrate"], ["psql"], ["demo"], ["serve"]])
+@pytest.mark.parametrize("command", [[], ["migrate"], ["psql"], ["demo"], ["serve"], ["relay"]])
 def test_every_command_has_help(command):
     result = _run(*command, "--help")
     assert result.returncode == 0
@@ -41,3 +41,11 @@ def test_migrate_applies_to_the_configured_database(empty_database_url):
 def test_a_bad_argument_exits_with_usage_error():
     result = _run("demo", "--conversations", "0")
     assert result.returncode == 2
+
+
+def test_relay_runs_on_its_own_and_stops_on_sigterm(database_url):
+    process = subprocess.Popen([*BROKER, "relay"], env={**os.environ, "BROKER_DATABASE_URL": database_url},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert "relaying the transmission queue" in process.stdout.readline()
+    process.terminate()
+    assert process.wait(timeout=15) == 0
