@@ -32,7 +32,7 @@ DESTINATIONS = text(
     " FROM broker.transport_destinations ORDER BY next_attempt_at")
 OUR_INSTANCE = text("SELECT broker_instance FROM broker.node")
 NEXT_BATCH = text("SELECT broker.transport_batch(:address, :max_messages)")
-APPLY_ANSWER = text("SELECT broker.apply_transport_results(:address, CAST(:answer AS jsonb))")
+APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb))")
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :reason, :retry_after)")
 LOCK_DESTINATION = text("SELECT pg_try_advisory_lock(1651663724, hashtext(:address))")
 UNLOCK_DESTINATION = text("SELECT pg_advisory_unlock(1651663724, hashtext(:address))")
@@ -126,8 +126,7 @@ class Relay:
                         return True
                     self.failures_in_a_row.pop(address, None)
                     with self.engine.begin() as connection:
-                        delivered = connection.execute(APPLY_ANSWER, {"address": address,
-                                                                      "answer": json.dumps(answer)}).scalar_one()
+                        delivered = connection.execute(APPLY_ANSWER, {"answer": json.dumps(answer)}).scalar_one()
                     self.delivered += delivered
                     if delivered == 0:
                         return True  # nothing new was taken: wait for the next wake rather than spin

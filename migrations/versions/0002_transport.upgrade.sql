@@ -177,9 +177,9 @@ BEGIN
     END IF;
 END $$;
 
--- Applies a destination's answer in one transaction: deletes what it
+-- Applies a destination node's answer in one transaction: deletes what it
 -- acknowledged, ends what it refused.  Returns how many messages were delivered.
-CREATE FUNCTION broker.apply_transport_results(destination text, answer jsonb) RETURNS bigint
+CREATE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
     result jsonb;
@@ -206,13 +206,12 @@ BEGIN
             SET transmission_status = 'the far node holds it back: ' || (result ->> 'waiting'),
                 attempts = attempts + 1, next_attempt_at = now() + interval '5 seconds'
             WHERE conversation_handle = e.conversation_handle;
+        ELSE  -- the far node answered for it: earlier failures no longer apply
+            UPDATE broker.transmission_queue
+            SET attempts = 0, transmission_status = 'sent; waiting for the numbers before it to be acknowledged'
+            WHERE conversation_handle = e.conversation_handle AND attempts > 0;
         END IF;
     END LOOP;
-    UPDATE broker.transmission_queue t
-    SET attempts = 0, transmission_status = 'sent; waiting for the numbers before it to be acknowledged'
-    FROM broker.routes r
-    WHERE r.service_name = t.to_service AND r.address = destination AND t.attempts > 0
-      AND t.transmission_status NOT LIKE 'the far node holds it back%';
     RETURN delivered;
 END $$;
 
