@@ -11,6 +11,18 @@ VERSION_TABLE = "broker_alembic_version"
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_sql_file(path: Path) -> None:
+    """Runs a revision's frozen SQL inside the migration's transaction.
+
+    Straight to the driver's cursor, with no parameters: the plpgsql holds ":"
+    and "%" that SQLAlchemy and psycopg2 would take for placeholders.
+    """
+    from alembic import op
+
+    with op.get_bind().connection.dbapi_connection.cursor() as cursor:
+        cursor.execute(path.read_text())
+
+
 def alembic_config(database_url: str) -> Config:
     config = Config(str(_PROJECT_ROOT / "alembic.ini"))
     config.set_main_option("script_location", str(_PROJECT_ROOT / "migrations"))
