@@ -1,9 +1,12 @@
 """Exactly-once-in-order messaging between PostgreSQL databases, in the style of Service Broker."""
 from broker.core import (
+    LockedMessage,
     ReceivedMessage,
+    abandon_lock,
     alter_queue,
     begin_conversation_timer,
     begin_dialog,
+    complete_lock,
     create_contract,
     create_message_type,
     create_queue,
@@ -17,8 +20,10 @@ from broker.core import (
     end_conversation,
     get_conversation_group,
     receive,
+    receive_with_lock,
     report_processing_failure,
     send,
+    send_numbered,
 )
 from broker.errors import (
     AlreadyExists,
@@ -26,16 +31,20 @@ from broker.errors import (
     ConversationClosed,
     InUse,
     InvalidArgument,
+    LockLost,
+    MessageTooLarge,
     NotAllowed,
     QueueDisabled,
+    SequenceConflict,
     UnknownObject,
     ValidationFailed,
 )
 
 __all__ = [
-    "AlreadyExists", "BrokerError", "ConversationClosed", "InUse", "InvalidArgument", "NotAllowed",
-    "QueueDisabled", "ReceivedMessage", "UnknownObject", "ValidationFailed", "alter_queue",
-    "begin_conversation_timer", "begin_dialog", "create_contract", "create_message_type", "create_queue",
-    "create_route", "create_service", "drop_contract", "drop_message_type", "drop_queue", "drop_route",
-    "drop_service", "end_conversation", "get_conversation_group", "receive", "report_processing_failure", "send",
+    "AlreadyExists", "BrokerError", "ConversationClosed", "InUse", "InvalidArgument", "LockLost", "LockedMessage",
+    "MessageTooLarge", "NotAllowed", "QueueDisabled", "ReceivedMessage", "SequenceConflict", "UnknownObject",
+    "ValidationFailed", "abandon_lock", "alter_queue", "begin_conversation_timer", "begin_dialog", "complete_lock",
+    "create_contract", "create_message_type", "create_queue", "create_route", "create_service", "drop_contract",
+    "drop_message_type", "drop_queue", "drop_route", "drop_service", "end_conversation", "get_conversation_group",
+    "receive", "receive_with_lock", "report_processing_failure", "send", "send_numbered",
 ]

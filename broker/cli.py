@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from sqlalchemy import Engine, create_engine
 
 from broker import migrate as migrations
 from broker.embedded import EmbeddedPostgres
@@ -27,6 +28,16 @@ def database(settings: Settings) -> Iterator[tuple[str, EmbeddedPostgres | None]
     with EmbeddedPostgres(settings.data_dir) as server:
         console.print(f"[dim]embedded PostgreSQL on 127.0.0.1:{server.port}, data in {server.pgdata}[/dim]")
         yield server.url(), server
+
+
+@contextmanager
+def database_engine() -> Iterator[Engine]:
+    with database(Settings()) as (url, _):
+        engine = create_engine(url)
+        try:
+            yield engine
+        finally:
+            engine.dispose()
 
 
 class MigrateAction(str, Enum):
@@ -82,7 +93,8 @@ def serve(
         scheme = "https" if tls_cert else "http"
         console.print(f"node listening on {scheme}://{host}:{port}" + (" with its relay" if relay else ""))
         try:
-            uvicorn.run(create_app(url), host=host, port=port, log_level="warning",
+            app = create_app(url, max_request_bytes=settings.max_request_bytes, max_wait_ms=settings.max_wait_ms)
+            uvicorn.run(app, host=host, port=port, log_level="warning",
                         ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
         finally:
             stop.set()
@@ -106,6 +118,58 @@ def relay() -> None:
         ca_file = str(settings.tls_ca_file) if settings.tls_ca_file else None
         console.print("relaying the transmission queue; Ctrl-C stops")
         Relay(url, tls_ca_file=ca_file).run(stop)
+
+
+keys = typer.Typer(help="API keys for the REST API: each has scopes, and only its hash is stored.",
+                   no_args_is_help=True)
+app.add_typer(keys, name="keys")
+
+
+@keys.command("create")
+def create_key(
+    name: str = typer.Option(..., help="who or what uses the key, e.g. billing-worker"),
+    scope: list[str] = typer.Option(..., help="admin, send:<service> or receive:<queue>; repeat for several"),
+) -> None:
+    """Create an API key and print it: the only time it is shown."""
+    from broker import api_keys
+
+    with database_engine() as engine, engine.begin() as connection:
+        try:
+            key = api_keys.create(connection, name, scope)
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--scope") from error
+    console.print(f"created key for [bold]{name}[/bold] with {', '.join(scope)}; keep it now, it is not stored:",
+                  style="dim", highlight=False)
+    print(key)
+
+
+@keys.command("list")
+def list_keys() -> None:
+    """List API keys (never their secrets)."""
+    from rich.table import Table
+
+    from broker import api_keys
+
+    with database_engine() as engine, engine.connect() as connection:
+        rows = api_keys.list_keys(connection)
+    table = Table("key id", "name", "scopes", "created", "revoked")
+    for row in rows:
+        table.add_row(row.key_id, row.name, " ".join(row.scopes), f"{row.created_at:%Y-%m-%d %H:%M}",
+                      f"{row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "")
+    console.print(table)
+
+
+@keys.command("revoke")
+def revoke_key(key_id: str = typer.Argument(..., help="the key id that 'broker keys list' shows")) -> None:
+    """Revoke an API key: requests with it get 401 from then on."""
+    from broker import api_keys
+
+    with database_engine() as engine, engine.begin() as connection:
+        revoked = api_keys.revoke(connection, key_id)
+    if not revoked:
+        console.print(f"no live key {key_id}", style="red")
+        raise typer.Exit(1)
+    console.print(f"revoked {key_id}")
 
 
 @app.command()

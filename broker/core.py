@@ -48,6 +48,15 @@ class ReceivedMessage:
         return None if self.body is None else json.loads(self.body)
 
 
+@dataclass(frozen=True, slots=True)
+class LockedMessage(ReceivedMessage):
+    """A message handed out under a lease (peek-lock): consumed only by complete_lock."""
+
+    lock_token: UUID
+    lock_expires_at: datetime
+    delivery_count: int
+
+
 # Catalog
 
 
@@ -122,6 +131,17 @@ def send(executor: Executor, conversation_handle: UUID, message_type: str, body:
                  handle=conversation_handle, message_type=message_type, body=_as_bytes(body)).scalar_one()
 
 
+def send_numbered(executor: Executor, conversation_handle: UUID, sequence_number: int, message_type: str,
+                  body: bytes | str | None = None) -> bool:
+    """Sends message number sequence_number; False when that very message was sent already.
+
+    Raises SequenceConflict when the number is out of turn or was used for another content.
+    """
+    return _call(executor, "SELECT broker.send_numbered(:handle, :number, :message_type, :body)",
+                 handle=conversation_handle, number=sequence_number, message_type=message_type,
+                 body=_as_bytes(body)).scalar_one()
+
+
 def receive(executor: Executor, queue: str, max_messages: int = 1, *, conversation_group: UUID | None = None,
             wait_ms: int = 0) -> list[ReceivedMessage]:
     """Locks one conversation group and returns up to max_messages of its messages in order.
@@ -131,6 +151,27 @@ def receive(executor: Executor, queue: str, max_messages: int = 1, *, conversati
     rows = _call(executor, "SELECT * FROM broker.receive(:queue, :max_messages, :group, :wait_ms)",
                  queue=queue, max_messages=max_messages, group=conversation_group, wait_ms=wait_ms)
     return [ReceivedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows]
+
+
+def receive_with_lock(executor: Executor, queue: str, max_messages: int, lock_duration: timedelta
+                      ) -> list[LockedMessage]:
+    """Leases one conversation group for lock_duration and returns its next messages (peek-lock).
+
+    They stay in the queue until complete_lock; abandon_lock or expiry hands them out again.
+    """
+    rows = _call(executor, "SELECT * FROM broker.receive_with_lock(:queue, :max_messages, :lock_duration)",
+                 queue=queue, max_messages=max_messages, lock_duration=lock_duration)
+    return [LockedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows]
+
+
+def complete_lock(executor: Executor, lock_token: UUID) -> int:
+    """Consumes a live lease's messages; returns how many. Raises LockLost when it is not live."""
+    return _call(executor, "SELECT broker.complete_lock(:token)", token=lock_token).scalar_one()
+
+
+def abandon_lock(executor: Executor, lock_token: UUID) -> bool:
+    """Hands a lease's messages back now; returns True when the failure quarantined the conversation."""
+    return _call(executor, "SELECT broker.abandon_lock(:token)", token=lock_token).scalar_one()
 
 
 def get_conversation_group(executor: Executor, queue: str, wait_ms: int = 0) -> UUID | None:

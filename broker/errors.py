@@ -10,11 +10,12 @@ class BrokerError(Exception):
 
     sqlstates: tuple[str, ...] = ()
 
-    def __init__(self, message: str, sqlstate: str, hint: str | None = None):
+    def __init__(self, message: str, sqlstate: str, hint: str | None = None, detail: str | None = None):
         super().__init__(message)
         self.message = message
         self.sqlstate = sqlstate
         self.hint = hint
+        self.detail = detail
 
 
 class UnknownObject(BrokerError):
@@ -41,6 +42,16 @@ class ConversationClosed(BrokerError):
     sqlstates = ("BR020",)
 
 
+class SequenceConflict(BrokerError):
+    """A numbered send out of turn, or a number reused with another content."""
+
+    sqlstates = ("BR021",)
+
+    @property
+    def expected_sequence_number(self) -> int:
+        return int(self.detail)
+
+
 class QueueDisabled(BrokerError):
     sqlstates = ("BR030",)
 
@@ -54,14 +65,28 @@ class InUse(BrokerError):
 
 
 class InvalidArgument(BrokerError):
-    """A NULL, out-of-range or malformed argument, or a message bigger than the node's limit (BR051)."""
+    """A NULL, out-of-range or malformed argument."""
 
-    sqlstates = ("BR050", "BR051")
+    sqlstates = ("BR050",)
 
 
-BY_SQLSTATE: dict[str, type[BrokerError]] = {
-    code: cls for cls in BrokerError.__subclasses__() for code in cls.sqlstates
-}
+class MessageTooLarge(InvalidArgument):
+    """A message body bigger than the node's limit."""
+
+    sqlstates = ("BR051",)
+
+
+class LockLost(BrokerError):
+    """A lease that expired, was completed or abandoned, or never existed."""
+
+    sqlstates = ("BR060",)
+
+
+def _descendants(cls: type[BrokerError]) -> list[type[BrokerError]]:
+    return [d for sub in cls.__subclasses__() for d in (sub, *_descendants(sub))]
+
+
+BY_SQLSTATE: dict[str, type[BrokerError]] = {code: cls for cls in _descendants(BrokerError) for code in cls.sqlstates}
 
 
 @contextmanager
@@ -75,4 +100,4 @@ def translated_errors() -> Iterator[None]:
         cls = BY_SQLSTATE.get(sqlstate or "")
         if cls is None or diag is None:
             raise
-        raise cls(diag.message_primary, sqlstate, diag.message_hint) from error
+        raise cls(diag.message_primary, sqlstate, diag.message_hint, diag.message_detail) from error

@@ -12,6 +12,7 @@ import logging
 import random
 import select
 import threading
+import time
 from datetime import timedelta
 
 import httpx
@@ -20,6 +21,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DBAPIError
 
 from broker import signing
+from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILURES, RELAY_SENT
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +121,19 @@ class Relay:
                                                                 "max_messages": self.batch_size}).scalar_one()
                     if not batch["conversations"]:
                         return True
+                    started = time.monotonic()
+                    RELAY_SENT.labels(address).inc(sum(len(c["messages"]) for c in batch["conversations"]))
                     try:
                         answer = self._post(destination, instance, json.dumps(batch).encode())
                     except TransportFailure as failure:
+                        RELAY_FAILURES.labels(address).inc()
                         self._record_failure(address, str(failure))
                         return True
                     self.failures_in_a_row.pop(address, None)
                     with self.engine.begin() as connection:
                         delivered = connection.execute(APPLY_ANSWER, {"answer": json.dumps(answer)}).scalar_one()
+                    RELAY_BATCH_SECONDS.labels(address).observe(time.monotonic() - started)
+                    RELAY_ACKNOWLEDGED.labels(address).inc(delivered)
                     self.delivered += delivered
                     if delivered == 0:
                         return True  # nothing new was taken: wait for the next wake rather than spin

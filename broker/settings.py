@@ -1,6 +1,7 @@
 """One settings object, read from BROKER_* environment variables, for the CLI, Alembic and the API."""
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -13,6 +14,9 @@ class Settings(BaseSettings):
     data_dir: Path = Path.home() / ".broker"
     # CA bundle the relay trusts for https:// routes (default: the system's).
     tls_ca_file: Path | None = None
+    # REST API: the largest request body, and the longest a receive may wait.
+    max_request_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    max_wait_ms: int = Field(60000, ge=0, le=60000)
 
 
 def database_url_for_migrations() -> str:

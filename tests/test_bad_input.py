@@ -68,7 +68,7 @@ CASES = {
                           broker.InvalidArgument, "BR050", "message type must not be null"),
     "NULL queue name": (lambda c, h: broker.create_queue(c, None), broker.InvalidArgument, "BR050", "must not be null"),
     "oversized body": (lambda c, h: broker.send(c, h, "order.note", b"x" * 2001),
-                       broker.InvalidArgument, "BR051", "exceeds the limit of 2000 bytes"),
+                       broker.MessageTooLarge, "BR051", "exceeds the limit of 2000 bytes"),
     "max_messages zero": (lambda c, h: broker.receive(c, WAREHOUSE_QUEUE, 0),
                           broker.InvalidArgument, "BR050", "max_messages must be at least 1"),
     "negative wait": (lambda c, h: broker.receive(c, WAREHOUSE_QUEUE, wait_ms=-1),

@@ -14,7 +14,8 @@ def _run(*args, env=None, timeout=300):
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("command", [[], ["migrate"], ["psql"], ["demo"], ["serve"], ["relay"]])
+@pytest.mark.parametrize("command", [[], ["migrate"], ["keys"], ["keys", "create"], ["psql"], ["demo"], ["serve"],
+                                     ["relay"]])
 def test_every_command_has_help(command):
     result = _run(*command, "--help")
     assert result.returncode == 0
@@ -35,7 +36,7 @@ def test_migrate_applies_to_the_configured_database(empty_database_url):
     assert _run("migrate", env={"BROKER_DATABASE_URL": empty_database_url}).returncode == 0
     current = _run("migrate", "current", env={"BROKER_DATABASE_URL": empty_database_url})
     assert current.returncode == 0
-    assert "0002" in current.stdout + current.stderr
+    assert "0003 (head)" in current.stdout + current.stderr
 
 
 def test_a_bad_argument_exits_with_usage_error():
@@ -49,3 +50,25 @@ def test_relay_runs_on_its_own_and_stops_on_sigterm(database_url):
     assert "relaying the transmission queue" in process.stdout.readline()
     process.terminate()
     assert process.wait(timeout=15) == 0
+
+
+def test_keys_are_created_listed_and_revoked_from_the_command_line(database_url):
+    env = {"BROKER_DATABASE_URL": database_url}
+    created = _run("keys", "create", "--name", "billing", "--scope", "send:shop", "--scope", "receive:shop_queue",
+                   env=env)
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip().splitlines()[-1]
+    assert key.startswith("bk_")
+    listed = _run("keys", "list", env=env)
+    key_id = key.split("_")[1]
+    assert key_id in listed.stdout and "send:shop receive:shop_queue" in listed.stdout
+    assert key.split("_", 2)[2] not in listed.stdout  # the secret is never shown again
+    assert _run("keys", "revoke", key_id, env=env).returncode == 0
+    assert _run("keys", "revoke", key_id, env=env).returncode == 1
+
+
+def test_a_key_with_a_malformed_scope_is_refused(database_url):
+    result = _run("keys", "create", "--name", "x", "--scope", "write:everything",
+                  env={"BROKER_DATABASE_URL": database_url})
+    assert result.returncode == 2
+    assert "invalid scope" in result.stdout + result.stderr

@@ -263,7 +263,7 @@ def test_a_huge_body_gets_413(nodes):
     a, b = nodes
     response = httpx.post(f"{b.address}/transport/v1/batches", content=b"x" * (65 * 1024 * 1024), timeout=60)
     assert response.status_code == 413
-    assert response.json()["type"] == "/problems/batch-too-large"
+    assert response.json()["type"] == "/problems/too-large"
 
 
 def test_nodes_serve_tls_and_a_relay_refuses_a_peer_it_cannot_verify(tls_nodes):

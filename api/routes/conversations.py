@@ -1,0 +1,131 @@
+"""/v1/conversations: begin, look at, send on and end conversations."""
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import Connection, text
+
+import broker
+from api import bodies
+from api.auth import api_key, require
+from api.problems import RESPONSES, Problem
+from broker.api_keys import ApiKey
+
+router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=RESPONSES)
+
+ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
+
+
+class BeginConversation(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"from_service": "shop", "to_service": "warehouse", "contract": "orders", "lifetime_s": 3600}]})
+
+    from_service: str = Field(description="the local service that begins (needs send:<from_service>)")
+    to_service: str = Field(description="a local service, or a remote one with a route")
+    contract: str
+    lifetime_s: int | None = Field(None, gt=0, le=10 * 365 * 86400,
+                                   description="end the conversation with broker.error (-1) after this long")
+    related_conversation_group: UUID | None = Field(None, description="join an existing conversation group")
+
+
+class Conversation(BaseModel):
+    """One side of a conversation, as broker.conversation_endpoints shows it."""
+
+    conversation_handle: UUID
+    conversation_id: UUID
+    conversation_group_id: UUID
+    is_initiator: bool
+    service_name: str
+    queue_name: str
+    far_service: str
+    far_is_local: bool
+    contract_name: str
+    state: str = Field(examples=["conversing"])
+    send_sequence: int = Field(description="the last number this side sent")
+    receive_sequence: int = Field(description="the last number this side received without a gap")
+    expires_at: datetime | None
+    created_at: datetime
+    closed_at: datetime | None
+
+
+class SendMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"message_type": "order.submit", "body": {"sku": "A-1", "quantity": 2}, "sequence_number": 1}]})
+
+    message_type: str
+    body: Any = Field(None, description="any JSON value, stored as its JSON text")
+    body_base64: str | None = Field(None, description="raw bytes, base64: instead of body")
+    sequence_number: int | None = Field(None, ge=1, description=(
+        "makes the send idempotent: the number this message must get. Resending the same number with the same "
+        "content returns the stored result; another content, or a number out of turn, is 409"))
+
+
+class Sent(BaseModel):
+    sequence_number: int
+    duplicate: bool = Field(description="true when this was a retry of a send already stored")
+
+
+class EndConversation(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {}, {"error_code": 42, "error_description": "out of stock"}]})
+
+    error_code: int | None = Field(None, ge=-2**31, le=2**31 - 1)
+    error_description: str | None = Field(None, max_length=4000)
+
+
+def _endpoint(connection: Connection, handle: UUID):
+    endpoint = connection.execute(ENDPOINT, {"handle": handle}).first()
+    if endpoint is None:
+        raise Problem(404, "unknown-object", "No such object", f"unknown conversation {handle}")
+    return endpoint
+
+
+def _sending_endpoint(connection: Connection, key: ApiKey, handle: UUID):
+    endpoint = _endpoint(connection, handle)
+    require(key, f"send:{endpoint.service_name}")
+    return endpoint
+
+
+@router.post("", status_code=201, response_model=Conversation, summary="Begin a conversation")
+def begin_conversation(begin: BeginConversation, request: Request, key: ApiKey = Depends(api_key)) -> Any:
+    require(key, f"send:{begin.from_service}")
+    lifetime = timedelta(seconds=begin.lifetime_s) if begin.lifetime_s else None
+    with request.app.state.engine.begin() as connection:
+        handle = broker.begin_dialog(connection, begin.from_service, begin.to_service, begin.contract,
+                                     lifetime=lifetime, related_conversation_group=begin.related_conversation_group)
+        return _endpoint(connection, handle)._asdict()
+
+
+@router.get("/{conversation_handle}", response_model=Conversation, summary="Look at one side of a conversation")
+def get_conversation(conversation_handle: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Any:
+    with request.app.state.engine.connect() as connection:
+        endpoint = _endpoint(connection, conversation_handle)
+    require(key, f"send:{endpoint.service_name}", f"receive:{endpoint.queue_name}")
+    return endpoint._asdict()
+
+
+@router.post("/{conversation_handle}/messages", status_code=201, response_model=Sent, summary="Send a message")
+def send_message(conversation_handle: UUID, message: SendMessage, request: Request,
+                 key: ApiKey = Depends(api_key)) -> Sent:
+    body = bodies.encode(message.body, message.body_base64)
+    with request.app.state.engine.begin() as connection:
+        _sending_endpoint(connection, key, conversation_handle)
+        if message.sequence_number is None:
+            return Sent(sequence_number=broker.send(connection, conversation_handle, message.message_type, body),
+                        duplicate=False)
+        sent_now = broker.send_numbered(connection, conversation_handle, message.sequence_number,
+                                        message.message_type, body)
+        return Sent(sequence_number=message.sequence_number, duplicate=not sent_now)
+
+
+@router.post("/{conversation_handle}/end", response_model=Conversation, summary="End a conversation")
+def end_conversation(conversation_handle: UUID, request: Request, end: EndConversation | None = None,
+                     key: ApiKey = Depends(api_key)) -> Any:
+    end = end or EndConversation()
+    with request.app.state.engine.begin() as connection:
+        _sending_endpoint(connection, key, conversation_handle)
+        broker.end_conversation(connection, conversation_handle, error_code=end.error_code,
+                                error_description=end.error_description)
+        return _endpoint(connection, conversation_handle)._asdict()

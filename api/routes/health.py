@@ -1,0 +1,42 @@
+"""Probes and metrics: /healthz (the process is up), /readyz (database reachable, schema at head),
+/metrics (Prometheus text; needs an admin key)."""
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
+
+from api.auth import api_key, require
+from api.problems import problem
+from broker.api_keys import ApiKey
+
+router = APIRouter(tags=["operations"])
+
+SCHEMA_VERSION = text("SELECT version_num FROM public.broker_alembic_version")
+
+
+@router.get("/healthz", summary="Liveness")
+def healthz(request: Request) -> dict:
+    return {"status": "ok", "broker_instance": request.app.state.broker_instance}
+
+
+@router.get("/readyz", summary="Readiness: the database answers and its schema is at head",
+            responses={503: {"description": "not ready, with the reason"}})
+def readyz(request: Request):
+    head = request.app.state.schema_head
+    try:
+        with request.app.state.engine.connect() as connection:
+            version = connection.execute(SCHEMA_VERSION).scalar()
+    except DBAPIError as error:
+        return problem(503, "not-ready", "The database is unreachable", str(error.orig).strip()[:300])
+    if version != head:
+        return problem(503, "not-ready", "The broker schema is not at head",
+                       f"the database is at revision {version}, this node needs {head}: run 'broker migrate'")
+    return {"status": "ready", "schema_revision": version}
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+def metrics(request: Request, key: ApiKey = Depends(api_key)) -> Response:
+    require(key, "admin")
+    exposition = generate_latest(REGISTRY) + generate_latest(request.app.state.database_metrics)
+    return Response(exposition, media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,192 @@
+"""/v1/queues and /v1/locks: receiving with peek-lock, and queue status.
+
+A REST reader cannot hold a transaction open, so it holds a conversation
+group by a lease: receive hands out the group's next messages under a
+lock_token; complete consumes them; abandon, or letting the lock expire,
+hands them out again with a higher delivery_count and counts toward the
+queue's poison threshold.
+"""
+import asyncio
+import time
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import text
+
+import broker
+from api import bodies
+from api.auth import api_key, require
+from api.problems import RESPONSES, Problem
+from broker.api_keys import ApiKey
+from broker.metrics import API_ABANDONED, API_COMPLETED, API_RECEIVED
+
+router = APIRouter(tags=["queues"], responses=RESPONSES)
+
+QUEUE_ID = text("SELECT queue_id FROM broker.queues WHERE name = :queue")
+QUEUE_OF_LOCK = text("SELECT q.name FROM broker.leases l JOIN broker.queues q USING (queue_id)"
+                     " WHERE l.lock_token = :token")
+ALL_QUEUES = text("SELECT * FROM broker.queue_status ORDER BY queue_name")
+ONE_QUEUE = text("SELECT * FROM broker.queue_status WHERE queue_name = :queue")
+
+# A waiting reader looks again at least this often, for locks that expire and
+# timers that fall due: neither sends a notification.
+LOOK_AGAIN_S = 1.0
+
+
+class ReceiveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"max_messages": 10, "wait_ms": 20000, "lock_s": 60}]})
+
+    max_messages: int = Field(10, ge=1, le=1000, description="at most this many messages of one conversation group")
+    wait_ms: int = Field(0, ge=0, le=60000, description=(
+        "long poll: wait up to this long for a message (the node may cap it lower)"))
+    lock_s: float = Field(30, gt=0, le=86400, description="how long the lock holds before the messages come back")
+
+
+class Message(BaseModel):
+    conversation_id: UUID
+    conversation_handle: UUID = Field(description="the receiving side's handle: reply and end with it")
+    conversation_group_id: UUID
+    sequence_number: int = Field(description="1, 2, 3, … per conversation and direction; 0 for a local notice")
+    message_type: str
+    service_name: str
+    contract_name: str
+    body: Any = Field(None, description="the body when it is JSON")
+    body_base64: str | None = Field(None, description="the body in base64 when it is not JSON")
+    enqueued_at: datetime
+    queue_position: int
+    delivery_count: int = Field(description="how many times this message was handed out under a lock, this one "
+                                            "included")
+
+
+class Received(BaseModel):
+    lock_token: UUID
+    lock_expires_at: datetime
+    messages: list[Message]
+
+
+class Completed(BaseModel):
+    completed: int = Field(description="messages consumed")
+
+
+class Abandoned(BaseModel):
+    quarantined: bool = Field(description="true when this failure reached the poison threshold")
+
+
+class QueueStatus(BaseModel):
+    queue_name: str
+    status: str = Field(examples=["enabled"])
+    retention: bool
+    poison_threshold: int
+    depth: int
+    oldest_message_age_s: float | None
+    readers: int
+    dead_letters: int
+
+
+def _queue_status(row) -> QueueStatus:
+    age = row.oldest_message_age
+    return QueueStatus(**{**row._mapping, "oldest_message_age_s": age.total_seconds() if age else None})
+
+
+def _lease(engine, queue: str, max_messages: int, lock: timedelta) -> tuple[int, list[broker.LockedMessage]]:
+    with engine.begin() as connection:
+        queue_id = connection.execute(QUEUE_ID, {"queue": queue}).scalar()
+        return queue_id, broker.receive_with_lock(connection, queue, max_messages, lock)
+
+
+@router.post("/v1/queues/{queue}/receive", response_model=Received, summary="Receive with peek-lock",
+             responses={204: {"description": "nothing arrived within wait_ms"}})
+async def receive(queue: str, request: Request, options: ReceiveRequest | None = None,
+                  key: ApiKey = Depends(api_key)) -> Any:
+    """Locks the next conversation group and returns its next messages in order.
+
+    Complete the lock to consume them. Without that they come back after
+    lock_s, so a reader that crashes loses nothing; it de-duplicates by
+    remembering the last sequence_number it applied per conversation_id.
+    """
+    options = options or ReceiveRequest()
+    require(key, f"receive:{queue}")
+    app = request.app
+    lock = timedelta(seconds=options.lock_s)
+    wait_s = min(options.wait_ms, app.state.max_wait_ms) / 1000
+    deadline = time.monotonic() + wait_s
+    queue_id, messages = await run_in_threadpool(_lease, app.state.engine, queue, options.max_messages, lock)
+    if not messages and wait_s > 0:
+        await app.state.arrivals.listen()
+        with app.state.arrivals.subscription(queue_id) as arrived:
+            while not messages and (remaining := deadline - time.monotonic()) > 0:
+                arrived.clear()
+                queue_id, messages = await run_in_threadpool(_lease, app.state.engine, queue,
+                                                             options.max_messages, lock)
+                if not messages:
+                    await _wait(arrived, min(remaining, LOOK_AGAIN_S))
+    if not messages:
+        return Response(status_code=204)
+    API_RECEIVED.labels(queue).inc(len(messages))
+    return Received(lock_token=messages[0].lock_token, lock_expires_at=messages[0].lock_expires_at,
+                    messages=[_message(m) for m in messages])
+
+
+def _message(m: broker.LockedMessage) -> Message:
+    return Message(conversation_id=m.conversation_id, conversation_handle=m.conversation_handle,
+                   conversation_group_id=m.conversation_group_id, sequence_number=m.message_sequence_number,
+                   message_type=m.message_type, service_name=m.service_name, contract_name=m.contract_name,
+                   enqueued_at=m.enqueued_at, queue_position=m.queue_position, delivery_count=m.delivery_count,
+                   **bodies.decode(m.body))
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError:
+        pass
+
+
+def _locked_queue(connection, key: ApiKey, lock_token: UUID) -> str:
+    queue = connection.execute(QUEUE_OF_LOCK, {"token": lock_token}).scalar()
+    if queue is None:
+        raise Problem(410, "lock-lost", "The lock expired, was completed or abandoned, or never existed",
+                      f"lock {lock_token} is not held")
+    require(key, f"receive:{queue}")
+    return queue
+
+
+@router.post("/v1/locks/{lock_token}/complete", response_model=Completed, summary="Consume a lock's messages")
+def complete(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Completed:
+    with request.app.state.engine.begin() as connection:
+        queue = _locked_queue(connection, key, lock_token)
+        completed = broker.complete_lock(connection, lock_token)
+    API_COMPLETED.labels(queue).inc(completed)
+    return Completed(completed=completed)
+
+
+@router.post("/v1/locks/{lock_token}/abandon", response_model=Abandoned, summary="Hand a lock's messages back")
+def abandon(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Abandoned:
+    with request.app.state.engine.begin() as connection:
+        queue = _locked_queue(connection, key, lock_token)
+        quarantined = broker.abandon_lock(connection, lock_token)
+    API_ABANDONED.labels(queue).inc()
+    return Abandoned(quarantined=quarantined)
+
+
+@router.get("/v1/queues", response_model=list[QueueStatus], summary="Status of every queue")
+def queues(request: Request, key: ApiKey = Depends(api_key)) -> list[QueueStatus]:
+    require(key, "admin")
+    with request.app.state.engine.connect() as connection:
+        return [_queue_status(row) for row in connection.execute(ALL_QUEUES)]
+
+
+@router.get("/v1/queues/{queue}", response_model=QueueStatus, summary="Status of one queue")
+def queue_status(queue: str, request: Request, key: ApiKey = Depends(api_key)) -> QueueStatus:
+    require(key, f"receive:{queue}")
+    with request.app.state.engine.connect() as connection:
+        row = connection.execute(ONE_QUEUE, {"queue": queue}).first()
+    if row is None:
+        raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
+    return _queue_status(row)

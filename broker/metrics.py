@@ -1,0 +1,57 @@
+"""Prometheus metrics: counters kept by the relay and the REST API in this process, and gauges read
+from the database at each scrape."""
+from prometheus_client import Counter, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import Engine, text
+
+disable_created_metrics()  # no *_created series beside each counter
+
+RELAY_SENT = Counter("broker_relay_messages_sent", "Messages the relay sent to a destination node, retries included",
+                     ["destination"])
+RELAY_ACKNOWLEDGED = Counter("broker_relay_messages_acknowledged",
+                             "Messages a destination node acknowledged after its commit", ["destination"])
+RELAY_FAILURES = Counter("broker_relay_failures", "Batches a destination did not take", ["destination"])
+RELAY_BATCH_SECONDS = Histogram("broker_relay_batch_seconds",
+                                "From sending a batch to applying its acknowledgements", ["destination"])
+API_RECEIVED = Counter("broker_api_messages_received", "Messages handed out under a lock by the REST API", ["queue"])
+API_COMPLETED = Counter("broker_api_messages_completed", "Messages consumed by completing a lock", ["queue"])
+API_ABANDONED = Counter("broker_api_locks_abandoned", "Locks abandoned by REST readers", ["queue"])
+
+QUEUES = text("SELECT queue_name, depth, extract(epoch FROM oldest_message_age) AS oldest_s, dead_letters,"
+              " readers FROM broker.queue_status")
+DESTINATIONS = text(
+    "SELECT coalesce(r.address, t.to_service) AS destination, count(*) AS messages,"
+    " extract(epoch FROM now() - min(t.enqueued_at)) AS oldest_s"
+    " FROM broker.transmission_queue t LEFT JOIN broker.routes r ON r.service_name = t.to_service"
+    " GROUP BY 1")
+
+
+class DatabaseCollector(Collector):
+    """Queue depths and ages, and the transmission queue per destination, read at scrape time."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        depth = GaugeMetricFamily("broker_queue_depth", "Messages waiting in a queue", labels=["queue"])
+        oldest = GaugeMetricFamily("broker_queue_oldest_message_age_seconds", "Age of a queue's oldest waiting message",
+                                   labels=["queue"])
+        dead = GaugeMetricFamily("broker_queue_dead_letters", "Messages of a queue moved to broker.dead_letters",
+                                 labels=["queue"])
+        readers = GaugeMetricFamily("broker_queue_readers", "Transactions reading a queue now", labels=["queue"])
+        waiting = GaugeMetricFamily("broker_transmission_queue_messages",
+                                    "Messages waiting for a destination node's acknowledgement", labels=["destination"])
+        waiting_age = GaugeMetricFamily("broker_transmission_queue_oldest_age_seconds",
+                                        "Age of the oldest unacknowledged message per destination",
+                                        labels=["destination"])
+        with self.engine.connect() as connection:
+            for row in connection.execute(QUEUES):
+                depth.add_metric([row.queue_name], row.depth)
+                oldest.add_metric([row.queue_name], float(row.oldest_s or 0))
+                dead.add_metric([row.queue_name], row.dead_letters)
+                readers.add_metric([row.queue_name], row.readers)
+            for row in connection.execute(DESTINATIONS):
+                waiting.add_metric([row.destination], row.messages)
+                waiting_age.add_metric([row.destination], float(row.oldest_s))
+        yield from (depth, oldest, dead, readers, waiting, waiting_age)

@@ -1,0 +1,378 @@
+"""The /v1 REST API over real HTTP (uvicorn) on a real database."""
+import base64
+import threading
+import time
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+import broker
+from broker import api_keys
+from tests import factories
+from tests.rest import ApiServer, new_key
+
+BEGIN = {"from_service": factories.SHOP, "to_service": factories.WAREHOUSE, "contract": factories.CONTRACT}
+RECEIVE = "/v1/queues/warehouse_queue/receive"
+
+
+@pytest.fixture
+def api(database_url, orders):
+    with ApiServer(database_url, max_request_bytes=64 * 1024) as server:
+        yield server
+
+
+@pytest.fixture
+def admin(api, engine):
+    with api.client(new_key(engine, "admin")) as client:
+        yield client
+
+
+def _begin(client) -> str:
+    response = client.post("/v1/conversations", json=BEGIN)
+    assert response.status_code == 201, response.text
+    return response.json()["conversation_handle"]
+
+
+def _send(client, handle, body, number=None, message_type="order.submit"):
+    request = {"message_type": message_type, "body": body}
+    if number is not None:
+        request["sequence_number"] = number
+    return client.post(f"/v1/conversations/{handle}/messages", json=request)
+
+
+def _is_problem(response, status, kind):
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["type"] == f"/problems/{kind}" and problem["status"] == status and problem["title"]
+    assert "Traceback" not in response.text
+    return problem
+
+
+def test_a_conversation_begins_sends_receives_completes_and_ends(admin):
+    handle = _begin(admin)
+    conversation = admin.get(f"/v1/conversations/{handle}").json()
+    assert conversation["state"] == "conversing" and conversation["service_name"] == "shop"
+    assert _send(admin, handle, {"sku": "A-1"}).json() == {"sequence_number": 1, "duplicate": False}
+    raw = bytes(range(256))
+    response = admin.post(f"/v1/conversations/{handle}/messages",
+                          json={"message_type": "order.note", "body_base64": base64.b64encode(raw).decode()})
+    assert response.status_code == 201 and response.json()["sequence_number"] == 2
+
+    received = admin.post(RECEIVE, json={"max_messages": 10, "lock_s": 30}).json()
+    messages = received["messages"]
+    assert [(m["sequence_number"], m["message_type"], m["delivery_count"]) for m in messages] == [
+        (1, "order.submit", 1), (2, "order.note", 1)]
+    assert messages[0]["body"] == {"sku": "A-1"} and messages[0]["body_base64"] is None
+    assert base64.b64decode(messages[1]["body_base64"]) == raw
+    assert messages[0]["conversation_id"] == conversation["conversation_id"]
+    assert admin.post(f"/v1/locks/{received['lock_token']}/complete").json() == {"completed": 2}
+    assert admin.get("/v1/queues/warehouse_queue").json()["depth"] == 0
+
+    target = messages[0]["conversation_handle"]
+    assert admin.post(f"/v1/conversations/{target}/end").json()["state"] == "disconnected_outbound"
+    end = admin.post(RECEIVE.replace("warehouse", "shop"), json={}).json()
+    assert [m["message_type"] for m in end["messages"]] == ["broker.end_dialog"]
+    assert admin.post(f"/v1/conversations/{handle}/end", json={}).json()["state"] == "closed"
+
+
+def test_an_idempotent_send_can_be_retried_without_a_duplicate(admin, engine):
+    handle = _begin(admin)
+    first = _send(admin, handle, {"n": 1}, number=1)
+    retry = _send(admin, handle, {"n": 1}, number=1)
+    assert first.status_code == retry.status_code == 201
+    assert first.json() == {"sequence_number": 1, "duplicate": False}
+    assert retry.json() == {"sequence_number": 1, "duplicate": True}
+    conflict = _is_problem(_send(admin, handle, {"n": "other"}, number=1), 409, "sequence-conflict")
+    assert conflict["expected_sequence_number"] == 2 and conflict["sqlstate"] == "BR021"
+    assert _is_problem(_send(admin, handle, {"n": 3}, number=3), 409, "sequence-conflict")[
+        "expected_sequence_number"] == 2
+    assert _send(admin, handle, {"n": 2}, number=2).json() == {"sequence_number": 2, "duplicate": False}
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM broker.queue_messages")).scalar() == 2
+
+
+def test_a_retry_after_a_lost_response_is_stored_once(api, engine):
+    """The client gives up before the answer comes (as on a timeout after the commit) and sends again."""
+    key = new_key(engine, "admin")
+    with api.client(key) as client:
+        handle = _begin(client)
+    with api.client(key, timeout=httpx.Timeout(30, read=0.000001)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            _send(impatient, handle, {"n": 1}, number=1)
+    with api.client(key) as client:
+        assert _wait_for_depth(client, 1)
+        assert _send(client, handle, {"n": 1}, number=1).status_code == 201
+        assert client.get("/v1/queues/warehouse_queue").json()["depth"] == 1
+
+
+def _wait_for_depth(client, depth, timeout_s=10):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if client.get("/v1/queues/warehouse_queue").json()["depth"] == depth:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_receive_waits_for_an_arrival_and_answers_204_when_none_comes(admin):
+    started = time.monotonic()
+    assert admin.post(RECEIVE, json={"wait_ms": 300}).status_code == 204
+    assert time.monotonic() - started >= 0.3
+    handle = _begin(admin)
+    threading.Timer(0.2, lambda: _send(admin, handle, {"late": True})).start()
+    started = time.monotonic()
+    response = admin.post(RECEIVE, json={"wait_ms": 10000})
+    # Woken by the arrival's notification, well before the once-a-second look.
+    assert response.status_code == 200 and time.monotonic() - started < 0.9
+    assert response.json()["messages"][0]["body"] == {"late": True}
+
+
+def test_an_expired_lock_hands_the_messages_out_again(admin):
+    handle = _begin(admin)
+    for n in (1, 2):
+        _send(admin, handle, {"n": n})
+    first = admin.post(RECEIVE, json={"max_messages": 10, "lock_s": 0.5}).json()
+    assert admin.post(RECEIVE, json={"wait_ms": 0}).status_code == 204  # held by the lock
+    time.sleep(0.6)
+    again = admin.post(RECEIVE, json={"max_messages": 10, "wait_ms": 2000}).json()
+    assert [(m["sequence_number"], m["delivery_count"]) for m in again["messages"]] == [(1, 2), (2, 2)]
+    _is_problem(admin.post(f"/v1/locks/{first['lock_token']}/complete"), 410, "lock-lost")
+    assert admin.post(f"/v1/locks/{again['lock_token']}/complete").json() == {"completed": 2}
+
+
+def test_a_live_lock_keeps_sql_readers_off_the_group(admin, engine):
+    handle = _begin(admin)
+    _send(admin, handle, {"n": 1})
+    lock = admin.post(RECEIVE, json={"lock_s": 30}).json()
+    with engine.begin() as connection:
+        assert broker.receive(connection, factories.WAREHOUSE_QUEUE, 10) == []
+    admin.post(f"/v1/locks/{lock['lock_token']}/abandon")
+    with engine.begin() as connection:
+        assert [m.message_sequence_number for m in broker.receive(connection, factories.WAREHOUSE_QUEUE, 10)] == [1]
+
+
+def test_abandons_count_toward_the_poison_threshold(admin, engine):
+    with engine.begin() as connection:
+        broker.alter_queue(connection, factories.WAREHOUSE_QUEUE, poison_threshold=3)
+    handle = _begin(admin)
+    _send(admin, handle, {"poison": True})
+    outcomes = []
+    for delivery in (1, 2, 3):
+        lock = admin.post(RECEIVE, json={}).json()
+        assert lock["messages"][0]["delivery_count"] == delivery
+        outcomes.append(admin.post(f"/v1/locks/{lock['lock_token']}/abandon").json()["quarantined"])
+    assert outcomes == [False, False, True]
+    assert admin.post(RECEIVE.replace("warehouse", "shop"), json={}).json()["messages"][0][
+        "message_type"] == "broker.error"
+    assert admin.get(f"/v1/conversations/{handle}").json()["state"] == "error"
+    assert admin.get("/v1/queues/warehouse_queue").json()["dead_letters"] == 1
+
+
+def test_concurrent_receivers_never_share_a_group(api, engine, admin):
+    conversations, per_conversation = 20, 5
+    for _ in range(conversations):
+        handle = _begin(admin)
+        for n in range(1, per_conversation + 1):
+            _send(admin, handle, {"n": n})
+    key = new_key(engine, "receive:warehouse_queue")
+    held: set[str] = set()
+    guard = threading.Lock()
+    overlaps, seen = [], {}
+
+    def reader():
+        with api.client(key) as client:
+            while True:
+                response = client.post(RECEIVE, json={"max_messages": 2, "wait_ms": 300, "lock_s": 30})
+                if response.status_code == 204:
+                    return
+                messages = response.json()["messages"]
+                group = messages[0]["conversation_group_id"]
+                with guard:
+                    if group in held:
+                        overlaps.append(group)
+                    held.add(group)
+                    for m in messages:
+                        seen.setdefault(m["conversation_id"], []).append(m["sequence_number"])
+                time.sleep(0.01)  # "processing" while holding the group
+                with guard:
+                    held.discard(group)
+                assert client.post(f"/v1/locks/{response.json()['lock_token']}/complete").status_code == 200
+
+    readers = [threading.Thread(target=reader) for _ in range(4)]
+    for thread in readers:
+        thread.start()
+    for thread in readers:
+        thread.join(timeout=120)
+    assert overlaps == []
+    assert len(seen) == conversations
+    assert all(numbers == list(range(1, per_conversation + 1)) for numbers in seen.values())
+
+
+def test_keys_are_checked_on_every_route(api, engine, admin):
+    handle = _begin(admin)
+    lock = (_send(admin, handle, {"n": 1}), admin.post(RECEIVE, json={}).json())[1]["lock_token"]
+    routes = [("post", "/v1/conversations", BEGIN), ("get", f"/v1/conversations/{handle}", None),
+              ("post", f"/v1/conversations/{handle}/messages", {"message_type": "order.note"}),
+              ("post", f"/v1/conversations/{handle}/end", {}), ("post", RECEIVE, {}),
+              ("post", f"/v1/locks/{lock}/complete", None), ("post", f"/v1/locks/{lock}/abandon", None),
+              ("get", "/v1/queues", None), ("get", "/v1/queues/warehouse_queue", None),
+              ("get", "/v1/transmission-queue", None), ("get", "/v1/message-types", None),
+              ("get", "/v1/contracts", None), ("get", "/v1/services", None), ("get", "/v1/routes", None),
+              ("get", "/metrics", None)]
+    revoked = new_key(engine, "admin")
+    with engine.begin() as connection:
+        api_keys.revoke(connection, revoked.split("_")[1])
+    forged = revoked[:-4] + "AAAA"
+    for presented in (None, "not-a-key", forged, revoked):
+        with api.client(presented) as client:
+            for method, path, body in routes:
+                response = client.request(method, path, json=body)
+                _is_problem(response, 401, "unauthorized")
+                assert response.headers["www-authenticate"] == "Bearer"
+    with api.client(new_key(engine, "send:someone-else", "receive:elsewhere")) as stranger:
+        for method, path, body in routes:
+            _is_problem(stranger.request(method, path, json=body), 403, "forbidden")
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM broker.leases")).scalar() == 1  # nothing applied
+
+
+def test_scopes_grant_exactly_their_service_or_queue(api, engine):
+    with api.client(new_key(engine, "send:shop")) as sender:
+        handle = _begin(sender)
+        assert _send(sender, handle, {"n": 1}).status_code == 201
+        _is_problem(sender.post(RECEIVE, json={}), 403, "forbidden")
+        _is_problem(sender.get("/v1/queues"), 403, "forbidden")
+    with api.client(new_key(engine, "receive:warehouse_queue", "send:warehouse")) as receiver:
+        lock = receiver.post(RECEIVE, json={}).json()
+        target = lock["messages"][0]["conversation_handle"]
+        assert receiver.post(f"/v1/locks/{lock['lock_token']}/complete").status_code == 200
+        assert receiver.get(f"/v1/conversations/{target}").status_code == 200
+        _is_problem(receiver.get(f"/v1/conversations/{handle}"), 403, "forbidden")  # the shop's side
+        assert receiver.post(f"/v1/conversations/{target}/end").status_code == 200
+
+
+def test_no_api_key_reaches_the_transport_endpoint(api, engine):
+    with api.client(new_key(engine, "admin")) as client:
+        response = client.post("/transport/v1/batches", json={"conversations": []})
+    _is_problem(response, 401, "unknown-peer")
+
+
+def test_bad_requests_get_a_problem_and_change_nothing(admin, engine):
+    handle = _begin(admin)
+    with engine.connect() as connection:
+        before = factories.broker_table_counts(connection)
+    cases = [
+        (admin.post("/v1/conversations", json={**BEGIN, "to_service": "nowhere"}), 404, "unknown-object"),
+        (admin.post("/v1/conversations", json={**BEGIN, "contract": 7}), 422, "invalid-request"),
+        (admin.post("/v1/conversations", content=b"{not json", headers={"content-type": "application/json"}),
+         422, "invalid-request"),
+        (admin.post(f"/v1/conversations/{handle}/messages",
+                    json={"message_type": "order.submit", "body_base64": base64.b64encode(b"not json").decode()}),
+         422, "validation-failed"),
+        (_send(admin, handle, None, message_type="order.ack"), 422, "not-allowed"),  # the target's to send
+        (_send(admin, handle, {"n": 1}, message_type="no.such.type"), 404, "unknown-object"),
+        (admin.post(f"/v1/conversations/{handle}/messages",
+                    json={"message_type": "order.note", "body": 1, "body_base64": "AA=="}), 422, "invalid-request"),
+        (admin.post(f"/v1/conversations/{handle}/messages",
+                    json={"message_type": "order.note", "body_base64": "%%%"}), 422, "invalid-request"),
+        (admin.get("/v1/conversations/not-a-uuid"), 422, "invalid-request"),
+        (admin.get("/v1/conversations/00000000-0000-0000-0000-000000000000"), 404, "unknown-object"),
+        (admin.post("/v1/queues/nowhere/receive", json={}), 404, "unknown-object"),
+        (admin.post(RECEIVE, json={"max_messages": 0}), 422, "invalid-request"),
+        (admin.post(f"/v1/conversations/{handle}/end", json={"error_code": 1}), 400, "invalid-argument"),
+        (admin.post("/v1/locks/00000000-0000-0000-0000-000000000000/complete"), 410, "lock-lost"),
+        (admin.get("/v1/no-such-route"), 404, "http-error"),
+    ]
+    for response, status, kind in cases:
+        _is_problem(response, status, kind)
+    with engine.connect() as connection:
+        assert factories.broker_table_counts(connection) == before
+
+
+def test_a_closed_conversation_refuses_sends_with_409(admin):
+    handle = _begin(admin)
+    admin.post(f"/v1/conversations/{handle}/end", json={"error_code": 7, "error_description": "gave up"})
+    problem = _is_problem(_send(admin, handle, {"n": 1}), 409, "conversation-state")
+    assert problem["sqlstate"] == "BR020"
+
+
+def test_a_request_over_the_size_limit_gets_413(admin):
+    handle = _begin(admin)
+    big = {"message_type": "order.note", "body": "x" * 70_000}
+    _is_problem(admin.post(f"/v1/conversations/{handle}/messages", json=big), 413, "too-large")
+
+    def chunks():
+        for _ in range(70):
+            yield b"x" * 1000
+
+    chunked = admin.post(f"/v1/conversations/{handle}/messages", content=chunks(),
+                         headers={"content-type": "application/json"})
+    _is_problem(chunked, 413, "too-large")
+    assert admin.get(f"/v1/conversations/{handle}").json()["send_sequence"] == 0
+
+
+def test_cors_is_off(admin):
+    response = admin.options("/v1/queues", headers={"Origin": "https://evil.example",
+                                                    "Access-Control-Request-Method": "GET"})
+    assert "access-control-allow-origin" not in response.headers
+    assert "access-control-allow-origin" not in admin.get("/v1/queues", headers={"Origin": "https://x"}).headers
+
+
+def test_catalog_and_status_routes(admin, engine):
+    handle = _begin(admin)
+    _send(admin, handle, {"n": 1})
+    with engine.begin() as connection:
+        broker.create_service(connection, "remote-billing", factories.SHOP_QUEUE)
+        broker.drop_service(connection, "remote-billing")
+        broker.create_route(connection, "billing", "http://127.0.0.1:9", "6d1d5f36-1a51-4b8e-9d3f-2f4b4b7f9c11",
+                            "a-secret-of-sixteen-chars")
+        remote = broker.begin_dialog(connection, factories.SHOP, "billing", factories.CONTRACT)
+        broker.send(connection, remote, "order.note", b"to billing")
+    assert {"name": "order.submit", "validation": "json"} in admin.get("/v1/message-types").json()
+    assert admin.get("/v1/contracts").json() == [{"name": "orders", "message_types": {
+        "order.ack": "target", "order.note": "any", "order.submit": "initiator"}}]
+    assert {"name": "warehouse", "queue": "warehouse_queue", "contracts": ["orders"]} in admin.get("/v1/services").json()
+    routes = admin.get("/v1/routes")
+    assert routes.json()[0]["address"] == "http://127.0.0.1:9" and "a-secret" not in routes.text
+    waiting = admin.get("/v1/transmission-queue").json()
+    assert [(w["to_service"], w["message_sequence_number"]) for w in waiting] == [("billing", 1)]
+    queues = {q["queue_name"]: q for q in admin.get("/v1/queues").json()}
+    assert queues["warehouse_queue"]["depth"] == 1 and queues["warehouse_queue"]["oldest_message_age_s"] >= 0
+    metrics = admin.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    for line in ['broker_queue_depth{queue="warehouse_queue"} 1.0',
+                 'broker_transmission_queue_messages{destination="http://127.0.0.1:9"} 1.0',
+                 "broker_transmission_queue_oldest_age_seconds", "broker_relay_messages_sent_total",
+                 "broker_api_messages_received_total"]:
+        assert line in metrics.text
+
+
+def test_readiness_follows_the_database_and_the_schema(api, engine):
+    with api.client() as anyone:
+        assert anyone.get("/healthz").status_code == 200
+        assert anyone.get("/readyz").json() == {"status": "ready", "schema_revision": "0003"}
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = '0002'"))
+        problem = _is_problem(anyone.get("/readyz"), 503, "not-ready")
+        assert "broker migrate" in problem["detail"]
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = '0003'"))
+        assert anyone.get("/readyz").status_code == 200
+
+
+def test_the_openapi_document_shows_every_route_with_examples(api):
+    with api.client() as anyone:
+        assert anyone.get("/docs").status_code == 200
+        document = anyone.get("/openapi.json").json()
+    paths = set(document["paths"])
+    assert {"/v1/conversations", "/v1/conversations/{conversation_handle}",
+            "/v1/conversations/{conversation_handle}/messages", "/v1/conversations/{conversation_handle}/end",
+            "/v1/queues/{queue}/receive", "/v1/locks/{lock_token}/complete", "/v1/locks/{lock_token}/abandon",
+            "/v1/queues", "/v1/queues/{queue}", "/v1/transmission-queue", "/v1/message-types", "/v1/contracts",
+            "/v1/services", "/v1/routes", "/healthz", "/readyz", "/metrics"} <= paths
+    assert not any(path.startswith("/transport") for path in paths)
+    schemas = document["components"]["schemas"]
+    for model in ("BeginConversation", "SendMessage", "ReceiveRequest", "EndConversation"):
+        assert schemas[model].get("examples"), model
