@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
 from sqlalchemy import create_engine, text
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from starlette.exceptions import HTTPException
 
 from api.arrivals import Arrivals
@@ -64,6 +64,9 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
 
     @app.exception_handler(DBAPIError)
     async def database_problem(request: Request, error: DBAPIError):
+        if isinstance(error, DataError):  # a value PostgreSQL cannot take, e.g. out of its range
+            return problem(400, "invalid-argument", "An argument is out of range or malformed",
+                           str(error.orig).strip().splitlines()[0])
         if error.connection_invalidated or isinstance(error, OperationalError):  # lost, timed out, deadlocked
             return problem(503, "database-unavailable", "The database could not do it now; nothing was applied",
                            headers={"Retry-After": "1"})
@@ -71,7 +74,7 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
 
     @app.exception_handler(HTTPException)
     async def http_problem(request: Request, error: HTTPException):
-        return problem(error.status_code, "http-error", str(error.detail))
+        return problem(error.status_code, "http-error", str(error.detail), headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_problem(request: Request, error: RequestValidationError):

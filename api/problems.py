@@ -21,7 +21,7 @@ BY_ERROR_CLASS: dict[type[errors.BrokerError], tuple[int, str, str]] = {
     errors.InUse: (409, "in-use", "The object is still in use"),
     errors.InvalidArgument: (400, "invalid-argument", "An argument is missing, out of range or malformed"),
     errors.MessageTooLarge: (413, "too-large", "The message is larger than the node accepts"),
-    errors.LockLost: (410, "lock-lost", "The lock expired, was completed or abandoned, or never existed"),
+    errors.LockLost: (409, "lock-lost", "The lock expired, was completed or abandoned, or never existed"),
 }
 
 
@@ -67,12 +67,13 @@ def from_broker_error(error: errors.BrokerError) -> JSONResponse:
                    expected_sequence_number=expected)
 
 
-# Every /v1 route may answer with these; listed in the OpenAPI document.
+# Every /v1 route may answer with these; listed in the OpenAPI document.  A
+# lost lock is a 409: the lease is no longer in a state that allows this.
 RESPONSES = {status: {"content": {"application/problem+json": {"schema": ProblemDetails.model_json_schema()}},
                       "description": description}
              for status, description in [
                  (400, "Invalid argument"), (401, "No valid API key"), (403, "The key lacks the scope"),
                  (404, "Unknown object"), (409, "Conflict with the current state"),
-                 (410, "The lock is lost (with /v1/locks)"), (413, "Request too large"),
+                 (413, "Request too large"),
                  (422, "Request does not match the schema or the contract"),
                  (503, "The database is unavailable; retry")]}

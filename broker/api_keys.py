@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, text
 
-SCOPE = re.compile(r"admin|(send|receive):[A-Za-z0-9/][A-Za-z0-9_.:/@#-]{0,127}")
+from broker.names import NAME_PATTERN
+
+SCOPE = re.compile(rf"admin|(send|receive):{NAME_PATTERN}")
 KEY = re.compile(r"bk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})")
 
 INSERT_KEY = text("INSERT INTO broker.api_keys (key_id, name, secret_sha256, scopes)"

@@ -53,7 +53,7 @@ def test_relay_runs_on_its_own_and_stops_on_sigterm(database_url):
 
 
 def test_keys_are_created_listed_and_revoked_from_the_command_line(database_url):
-    env = {"BROKER_DATABASE_URL": database_url}
+    env = {"BROKER_DATABASE_URL": database_url, "COLUMNS": "200"}  # a table row on one line
     created = _run("keys", "create", "--name", "billing", "--scope", "send:shop", "--scope", "receive:shop_queue",
                    env=env)
     assert created.returncode == 0, created.stderr

@@ -138,7 +138,7 @@ def test_an_expired_lock_hands_the_messages_out_again(admin):
     time.sleep(0.6)
     again = admin.post(RECEIVE, json={"max_messages": 10, "wait_ms": 2000}).json()
     assert [(m["sequence_number"], m["delivery_count"]) for m in again["messages"]] == [(1, 2), (2, 2)]
-    _is_problem(admin.post(f"/v1/locks/{first['lock_token']}/complete"), 410, "lock-lost")
+    _is_problem(admin.post(f"/v1/locks/{first['lock_token']}/complete"), 409, "lock-lost")
     assert admin.post(f"/v1/locks/{again['lock_token']}/complete").json() == {"completed": 2}
 
 
@@ -282,7 +282,7 @@ def test_bad_requests_get_a_problem_and_change_nothing(admin, engine):
         (admin.post("/v1/queues/nowhere/receive", json={}), 404, "unknown-object"),
         (admin.post(RECEIVE, json={"max_messages": 0}), 422, "invalid-request"),
         (admin.post(f"/v1/conversations/{handle}/end", json={"error_code": 1}), 400, "invalid-argument"),
-        (admin.post("/v1/locks/00000000-0000-0000-0000-000000000000/complete"), 410, "lock-lost"),
+        (admin.post("/v1/locks/00000000-0000-0000-0000-000000000000/complete"), 409, "lock-lost"),
         (admin.get("/v1/no-such-route"), 404, "http-error"),
     ]
     for response, status, kind in cases:

@@ -11,6 +11,7 @@ import broker
 from api import bodies
 from api.auth import api_key, require
 from api.problems import RESPONSES, Problem
+from api.types import Name, Text
 from broker.api_keys import ApiKey
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=RESPONSES)
@@ -22,9 +23,9 @@ class BeginConversation(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"from_service": "shop", "to_service": "warehouse", "contract": "orders", "lifetime_s": 3600}]})
 
-    from_service: str = Field(description="the local service that begins (needs send:<from_service>)")
-    to_service: str = Field(description="a local service, or a remote one with a route")
-    contract: str
+    from_service: Name = Field(description="the local service that begins (needs send:<from_service>)")
+    to_service: Name = Field(description="a local service, or a remote one with a route")
+    contract: Name
     lifetime_s: int | None = Field(None, gt=0, le=10 * 365 * 86400,
                                    description="end the conversation with broker.error (-1) after this long")
     related_conversation_group: UUID | None = Field(None, description="join an existing conversation group")
@@ -51,10 +52,11 @@ class Conversation(BaseModel):
 
 
 class SendMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"message_type": "order.submit", "body": {"sku": "A-1", "quantity": 2}, "sequence_number": 1}]})
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"message_type": "order.submit", "body": {"sku": "A-1", "quantity": 2}, "sequence_number": 1}],
+        "not": {"required": ["body", "body_base64"]}})
 
-    message_type: str
+    message_type: Name
     body: Any = Field(None, description="any JSON value, stored as its JSON text")
     body_base64: str | None = Field(None, description="raw bytes, base64: instead of body")
     sequence_number: int | None = Field(None, ge=1, description=(
@@ -72,7 +74,7 @@ class EndConversation(BaseModel):
         {}, {"error_code": 42, "error_description": "out of stock"}]})
 
     error_code: int | None = Field(None, ge=-2**31, le=2**31 - 1)
-    error_description: str | None = Field(None, max_length=4000)
+    error_description: Text | None = Field(None, max_length=4000)
 
 
 def _endpoint(connection: Connection, handle: UUID):

@@ -7,7 +7,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from api.auth import api_key, require
-from api.problems import problem
+from api.problems import RESPONSES, problem
 from broker.api_keys import ApiKey
 
 router = APIRouter(tags=["operations"])
@@ -35,7 +35,9 @@ def readyz(request: Request):
     return {"status": "ready", "schema_revision": version}
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}},
+                       **{status: RESPONSES[status] for status in (401, 403, 503)}})
 def metrics(request: Request, key: ApiKey = Depends(api_key)) -> Response:
     require(key, "admin")
     exposition = generate_latest(REGISTRY) + generate_latest(request.app.state.database_metrics)

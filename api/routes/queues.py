@@ -22,6 +22,7 @@ import broker
 from api import bodies
 from api.auth import api_key, require
 from api.problems import RESPONSES, Problem
+from api.types import NamePath
 from broker.api_keys import ApiKey
 from broker.metrics import API_ABANDONED, API_COMPLETED, API_RECEIVED
 
@@ -45,7 +46,7 @@ class ReceiveRequest(BaseModel):
     max_messages: int = Field(10, ge=1, le=1000, description="at most this many messages of one conversation group")
     wait_ms: int = Field(0, ge=0, le=60000, description=(
         "long poll: wait up to this long for a message (the node may cap it lower)"))
-    lock_s: float = Field(30, gt=0, le=86400, description="how long the lock holds before the messages come back")
+    lock_s: float = Field(30, ge=0.01, le=86400, description="how long the lock holds before the messages come back")
 
 
 class Message(BaseModel):
@@ -102,7 +103,7 @@ def _lease(engine, queue: str, max_messages: int, lock: timedelta) -> tuple[int,
 
 @router.post("/v1/queues/{queue}/receive", response_model=Received, summary="Receive with peek-lock",
              responses={204: {"description": "nothing arrived within wait_ms"}})
-async def receive(queue: str, request: Request, options: ReceiveRequest | None = None,
+async def receive(queue: NamePath, request: Request, options: ReceiveRequest | None = None,
                   key: ApiKey = Depends(api_key)) -> Any:
     """Locks the next conversation group and returns its next messages in order.
 
@@ -148,12 +149,12 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
         pass
 
 
-def _locked_queue(connection, key: ApiKey, lock_token: UUID) -> str:
+def _locked_queue(connection, key: ApiKey, lock_token: UUID) -> str | None:
+    """The queue of a held lock, once the key may receive from it; None for a lock not held (the
+    broker's call then refuses it as lost)."""
     queue = connection.execute(QUEUE_OF_LOCK, {"token": lock_token}).scalar()
-    if queue is None:
-        raise Problem(410, "lock-lost", "The lock expired, was completed or abandoned, or never existed",
-                      f"lock {lock_token} is not held")
-    require(key, f"receive:{queue}")
+    if queue is not None:
+        require(key, f"receive:{queue}")
     return queue
 
 
@@ -183,7 +184,7 @@ def queues(request: Request, key: ApiKey = Depends(api_key)) -> list[QueueStatus
 
 
 @router.get("/v1/queues/{queue}", response_model=QueueStatus, summary="Status of one queue")
-def queue_status(queue: str, request: Request, key: ApiKey = Depends(api_key)) -> QueueStatus:
+def queue_status(queue: NamePath, request: Request, key: ApiKey = Depends(api_key)) -> QueueStatus:
     require(key, f"receive:{queue}")
     with request.app.state.engine.connect() as connection:
         row = connection.execute(ONE_QUEUE, {"queue": queue}).first()
