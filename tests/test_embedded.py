@@ -37,3 +37,17 @@ def test_a_server_left_by_a_crashed_process_is_reattached_then_stopped(tmp_path)
             assert cursor.fetchone() == (42,)
     info = PostmasterInfo.read_from_pgdata(server.pgdata)
     assert info is None or not info.is_running()
+
+
+def test_a_server_whose_owner_is_alive_is_joined_and_left_running(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(holder.stdout.readline())
+        with EmbeddedPostgres(tmp_path) as guest:  # as `broker keys create` beside a running `broker serve`
+            assert guest.port == port and not guest.owned
+        psycopg2.connect(host="127.0.0.1", port=port, user="postgres", dbname="broker").close()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+        with EmbeddedPostgres(tmp_path) as heir:
+            assert heir.owned
