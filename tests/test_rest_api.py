@@ -170,6 +170,22 @@ def test_abandons_count_toward_the_poison_threshold(admin, engine):
     assert admin.get("/v1/queues/warehouse_queue").json()["dead_letters"] == 1
 
 
+def test_expired_locks_count_toward_the_poison_threshold(admin, engine):
+    with engine.begin() as connection:
+        broker.alter_queue(connection, factories.WAREHOUSE_QUEUE, poison_threshold=2)
+    handle = _begin(admin)
+    _send(admin, handle, {"poison": True})
+    for delivery in (1, 2):
+        lock = admin.post(RECEIVE, json={"lock_s": 0.2, "wait_ms": 2000}).json()
+        assert lock["messages"][0]["delivery_count"] == delivery
+        time.sleep(0.3)  # the reader "crashes": the lock runs out
+    # The second expiry quarantined the conversation: its side here gets the broker.error notice instead.
+    notice = admin.post(RECEIVE, json={"wait_ms": 0}).json()["messages"]
+    assert [(m["message_type"], m["sequence_number"]) for m in notice] == [("broker.error", 0)]
+    assert admin.get("/v1/queues/warehouse_queue").json()["dead_letters"] == 1
+    assert admin.get(f"/v1/conversations/{handle}").json()["state"] == "error"
+
+
 def test_concurrent_receivers_never_share_a_group(api, engine, admin):
     conversations, per_conversation = 20, 5
     for _ in range(conversations):
