@@ -95,10 +95,14 @@ def _queue_status(row) -> QueueStatus:
     return QueueStatus(**{**row._mapping, "oldest_message_age_s": age.total_seconds() if age else None})
 
 
-def _lease(engine, queue: str, max_messages: int, lock: timedelta) -> tuple[int, list[broker.LockedMessage]]:
+def _lease(engine, queue: str, max_messages: int, lock: timedelta) -> list[broker.LockedMessage]:
     with engine.begin() as connection:
-        queue_id = connection.execute(QUEUE_ID, {"queue": queue}).scalar()
-        return queue_id, broker.receive_with_lock(connection, queue, max_messages, lock)
+        return broker.receive_with_lock(connection, queue, max_messages, lock)
+
+
+def _queue_id(engine, queue: str) -> int:
+    with engine.connect() as connection:
+        return connection.execute(QUEUE_ID, {"queue": queue}).scalar()
 
 
 @router.post("/v1/queues/{queue}/receive", response_model=Received, summary="Receive with peek-lock",
@@ -117,14 +121,14 @@ async def receive(queue: NamePath, request: Request, options: ReceiveRequest | N
     lock = timedelta(seconds=options.lock_s)
     wait_s = min(options.wait_ms, app.state.max_wait_ms) / 1000
     deadline = time.monotonic() + wait_s
-    queue_id, messages = await run_in_threadpool(_lease, app.state.engine, queue, options.max_messages, lock)
+    messages = await run_in_threadpool(_lease, app.state.engine, queue, options.max_messages, lock)
     if not messages and wait_s > 0:
         await app.state.arrivals.listen()
+        queue_id = await run_in_threadpool(_queue_id, app.state.engine, queue)
         with app.state.arrivals.subscription(queue_id) as arrived:
             while not messages and (remaining := deadline - time.monotonic()) > 0:
                 arrived.clear()
-                queue_id, messages = await run_in_threadpool(_lease, app.state.engine, queue,
-                                                             options.max_messages, lock)
+                messages = await run_in_threadpool(_lease, app.state.engine, queue, options.max_messages, lock)
                 if not messages:
                     await _wait(arrived, min(remaining, LOOK_AGAIN_S))
     if not messages:
