@@ -1,6 +1,5 @@
 """Message bodies in JSON: a JSON value travels as "body", anything else as "body_base64"."""
 import base64
-import binascii
 import json
 from typing import Any
 
@@ -14,7 +13,7 @@ def encode(body: Any, body_base64: str | None) -> bytes | None:
     if body_base64 is not None:
         try:
             return base64.b64decode(body_base64, validate=True)
-        except binascii.Error as error:
+        except ValueError as error:  # binascii.Error, or characters outside ASCII
             raise Problem(422, "invalid-request", "body_base64 is not valid base64", str(error)) from error
     return None if body is None else json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
