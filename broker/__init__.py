@@ -28,6 +28,7 @@ from broker.core import (
 from broker.errors import (
     AlreadyExists,
     BrokerError,
+    CheckpointMoved,
     ConversationClosed,
     InUse,
     InvalidArgument,
@@ -41,10 +42,10 @@ from broker.errors import (
 )
 
 __all__ = [
-    "AlreadyExists", "BrokerError", "ConversationClosed", "InUse", "InvalidArgument", "LockLost", "LockedMessage",
-    "MessageTooLarge", "NotAllowed", "QueueDisabled", "ReceivedMessage", "SequenceConflict", "UnknownObject",
-    "ValidationFailed", "abandon_lock", "alter_queue", "begin_conversation_timer", "begin_dialog", "complete_lock",
-    "create_contract", "create_message_type", "create_queue", "create_route", "create_service", "drop_contract",
-    "drop_message_type", "drop_queue", "drop_route", "drop_service", "end_conversation", "get_conversation_group",
-    "receive", "receive_with_lock", "report_processing_failure", "send", "send_numbered",
+    "AlreadyExists", "BrokerError", "CheckpointMoved", "ConversationClosed", "InUse", "InvalidArgument", "LockLost",
+    "LockedMessage", "MessageTooLarge", "NotAllowed", "QueueDisabled", "ReceivedMessage", "SequenceConflict",
+    "UnknownObject", "ValidationFailed", "abandon_lock", "alter_queue", "begin_conversation_timer", "begin_dialog",
+    "complete_lock", "create_contract", "create_message_type", "create_queue", "create_route", "create_service",
+    "drop_contract", "drop_message_type", "drop_queue", "drop_route", "drop_service", "end_conversation",
+    "get_conversation_group", "receive", "receive_with_lock", "report_processing_failure", "send", "send_numbered",
 ]

@@ -173,6 +173,47 @@ def revoke_key(key_id: str = typer.Argument(..., help="the key id that 'broker k
 
 
 @app.command()
+def ingest(
+    queue: str = typer.Option(..., help="the queue to ingest"),
+    output: str = typer.Option(..., help="the Parquet dataset's location (a path or a Hadoop URI)"),
+    consume: bool = typer.Option(False, help="delete the ingested rows from the queue when the checkpoint commits"),
+    partitions: int = typer.Option(None, min=1,
+                                   help="JDBC reads, each a range of equal row count (default: 4 per core)"),
+    fetch_size: int = typer.Option(10_000, min=1, help="rows per JDBC fetch"),
+    master: str = typer.Option(None, help="Spark master URL, e.g. spark://host:7077 (default: local[*])"),
+) -> None:
+    """Ingest a queue's committed messages into Parquet with Spark, exactly once across runs.
+
+    Each run reads the positions above the last checkpoint up to a high-water mark fixed at its start,
+    writes them as one directory of the dataset, then advances the checkpoint.
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from broker.errors import BrokerError
+    from spark_ingest.errors import IngestError
+    from spark_ingest.jdbc import spark_session
+    from spark_ingest.job import ingest as ingest_queue
+
+    settings = Settings()
+    with database(settings) as (url, _), Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[rows]}"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task(f"ingest {queue}", total=None, rows="starting Spark")
+
+        def show(progress) -> None:
+            bar.update(task, total=progress.rows, completed=progress.rows_done,
+                       rows=f"~{progress.rows_done:,}/{progress.rows:,} rows, {progress.rows_per_second:,.0f} rows/s")
+
+        try:
+            spark = spark_session(master, settings.jdbc_driver)
+            summary = ingest_queue(spark, url, queue, output, partitions=partitions, consume=consume,
+                                   fetch_size=fetch_size, on_progress=show)
+        except (BrokerError, IngestError) as error:
+            console.print(f"ingest failed: {error}", style="red", highlight=False)
+            raise typer.Exit(1) from error
+    console.print(summary.describe(), highlight=False)
+
+
+@app.command()
 def psql() -> None:
     """Open psql on the broker's database (the embedded one unless BROKER_DATABASE_URL is set)."""
     with database(Settings()) as (url, server):

@@ -82,6 +82,12 @@ class LockLost(BrokerError):
     sqlstates = ("BR060",)
 
 
+class CheckpointMoved(BrokerError):
+    """An ingest run found its checkpoint moved by another run."""
+
+    sqlstates = ("BR070",)
+
+
 def _descendants(cls: type[BrokerError]) -> list[type[BrokerError]]:
     return [d for sub in cls.__subclasses__() for d in (sub, *_descendants(sub))]
 

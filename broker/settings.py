@@ -17,6 +17,8 @@ class Settings(BaseSettings):
     # REST API: the largest request body, and the longest a receive may wait.
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0)
     max_wait_ms: int = Field(60000, ge=0, le=60000)
+    # Spark ingest: the PostgreSQL JDBC driver jar (default: looked for, see spark_ingest/jdbc.py).
+    jdbc_driver: Path | None = None
 
 
 def database_url_for_migrations() -> str:

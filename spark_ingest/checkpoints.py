@@ -1,0 +1,37 @@
+"""The SQL an ingest run calls: one function per SQL function of revision 0004."""
+from sqlalchemy import Connection, text
+
+from broker.errors import translated_errors
+
+
+def try_lock(connection: Connection, queue: str, output: str) -> bool:
+    """A session lock on (queue, output), held until the connection closes."""
+    with translated_errors():
+        return connection.execute(text("SELECT broker.try_lock_ingest(:queue, :output)"),
+                                  {"queue": queue, "output": output}).scalar_one()
+
+
+def start(connection: Connection, queue: str, output: str) -> tuple[int, int]:
+    """The checkpoint and the high-water mark: the run reads the positions in (after, up_to]."""
+    with translated_errors():
+        row = connection.execute(text("SELECT * FROM broker.start_ingest(:queue, :output)"),
+                                 {"queue": queue, "output": output}).one()
+    return row.after_position, row.up_to_position
+
+
+def partitions(connection: Connection, queue: str, after: int, up_to: int, count: int) -> list[tuple[int, int]]:
+    """Up to `count` consecutive ranges of nearly equal size: (last position, rows) of each."""
+    with translated_errors():
+        rows = connection.execute(text("SELECT * FROM broker.ingest_partitions(:queue, :after, :up_to, :count)"),
+                                  {"queue": queue, "after": after, "up_to": up_to, "count": count})
+        return [(row.last_position, row.row_count) for row in rows]
+
+
+def advance(connection: Connection, queue: str, output: str, after: int, up_to: int, run: str, rows: int,
+            consume: bool) -> int:
+    """Moves the checkpoint from after to up_to (and with consume deletes the range); the rows deleted."""
+    with translated_errors():
+        return connection.execute(
+            text("SELECT broker.advance_ingest_checkpoint(:queue, :output, :after, :up_to, :run, :rows, :consume)"),
+            {"queue": queue, "output": output, "after": after, "up_to": up_to, "run": run, "rows": rows,
+             "consume": consume}).scalar_one()

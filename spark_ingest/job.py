@@ -1,0 +1,122 @@
+"""One ingest run of a queue into a Parquet dataset, exactly once across crashes and reruns.
+
+1. Lock (queue, output) for the run's session, and fix the range (checkpoint,
+   high-water mark]: below the committed horizon, so no row can still appear in it.
+2. If the dataset already holds a run starting at the checkpoint (a run killed
+   after its commit, before its checkpoint), adopt it instead of writing again.
+3. Otherwise read the range over JDBC in partitions of nearly equal row counts,
+   write Parquet into a staging directory and rename it into the dataset.
+4. Advance the checkpoint (and with `consume`, delete the range) in one transaction.
+
+A crash before step 3's rename leaves only staging files, removed by the next
+run; a crash after it is step 2 of the next run.
+"""
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+
+from sqlalchemy import create_engine
+from sqlalchemy.pool import NullPool
+
+from broker.names import NAME_PATTERN
+from spark_ingest import checkpoints
+from spark_ingest.dataset import Dataset, Run
+from spark_ingest.errors import IngestError
+from spark_ingest.jdbc import jdbc_connection
+from spark_ingest.progress import Progress, ProgressReporter
+
+OUTPUT_COLUMNS = ["queue_name", "queue_position", "conversation_id", "conversation_handle", "conversation_group_id",
+                  "message_sequence_number", "service_name", "contract_name", "message_type", "body", "body_text",
+                  "enqueued_at"]
+
+
+@dataclass(frozen=True, slots=True)
+class IngestSummary:
+    queue: str
+    output: str
+    run: Run
+    rows: int
+    partitions: int
+    seconds: float
+    adopted: bool  # the run's output was already committed by a run killed before its checkpoint
+    consumed: int
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+    def describe(self) -> str:
+        if self.adopted:
+            what = f"adopted run {self.run.run_id} ({self.rows:,} rows), committed earlier by a run that stopped"
+        else:
+            what = f"{self.rows:,} rows in {self.partitions} partitions, run {self.run.run_id}"
+        consumed = f"; {self.consumed:,} rows consumed from the queue" if self.consumed else ""
+        return (f"ingested queue {self.queue} into {self.output}: {what}, {self.seconds:.1f} s "
+                f"({self.rows_per_second:,.0f} rows/s); checkpoint at position {self.run.up_to_position}{consumed}")
+
+
+def _partition_predicates(queue: str, run: Run, plan: list[tuple[int, int]]) -> list[str]:
+    """One WHERE clause per partition; together they cover (after, up_to] without gaps or overlaps."""
+    if not re.fullmatch(NAME_PATTERN, queue):  # the pattern admits no quote: safe as a literal
+        raise IngestError(f"{queue!r} is not a queue name")
+    bounds = [run.after_position] + [last for last, _ in plan[:-1]] + [run.up_to_position]
+    return [f"queue_name = '{queue}' AND queue_position > {low} AND queue_position <= {high}"
+            for low, high in pairwise(bounds)]
+
+
+def _write(spark, database_url: str, queue: str, dataset: Dataset, run: Run, plan: list[tuple[int, int]],
+           fetch_size: int, on_progress: Callable[[Progress], None] | None) -> int:
+    from pyspark.sql import functions as F
+
+    jdbc_url, properties = jdbc_connection(database_url, fetch_size)
+    frame = (spark.read.jdbc(jdbc_url, "broker.destination_queue", predicates=_partition_predicates(queue, run, plan),
+                             properties=properties)
+             .withColumn("body_text", F.when(F.col("validation") == "json", F.decode("body", "UTF-8")))
+             .select(*OUTPUT_COLUMNS))
+    staging = dataset.staging_location(run)
+    job_group = f"broker-ingest {queue} {run.run_id}"
+    spark.sparkContext.setJobGroup(job_group, f"ingest of queue {queue}, positions {run.run_id}")
+    with ProgressReporter(spark, job_group, len(plan), sum(rows for _, rows in plan),
+                          on_progress or (lambda _: None)):
+        frame.write.mode("errorifexists").parquet(staging)
+    rows = dataset.count(staging)
+    dataset.commit(staging, run)
+    return rows
+
+
+def ingest(spark, database_url: str, queue: str, output: str, *, partitions: int | None = None,
+           consume: bool = False, fetch_size: int = 10_000,
+           on_progress: Callable[[Progress], None] | None = None) -> IngestSummary:
+    started = time.monotonic()
+    dataset = Dataset(spark, output)
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as lock:
+            if not checkpoints.try_lock(lock, queue, dataset.uri):
+                raise IngestError(f"another ingest of queue {queue!r} into {dataset.uri} is running")
+            with engine.begin() as connection:
+                after, up_to = checkpoints.start(connection, queue, dataset.uri)
+            dataset.clear_staging()
+            ahead = [run for run in dataset.committed_runs() if run.up_to_position > after]
+            if ahead and (len(ahead) > 1 or ahead[0].after_position != after):
+                raise IngestError(f"{dataset.uri} holds runs past the checkpoint at position {after} "
+                                  f"({', '.join(run.run_id for run in ahead)}): it does not belong with "
+                                  f"this database's checkpoint of queue {queue!r}")
+            if ahead:
+                run, adopted = ahead[0], True
+                plan = []
+                rows = dataset.count(dataset.location(run))
+            else:
+                run, adopted = Run(after, up_to), False
+                with engine.connect() as connection:
+                    plan = checkpoints.partitions(connection, queue, after, up_to,
+                                                  partitions or 4 * spark.sparkContext.defaultParallelism)
+                rows = _write(spark, database_url, queue, dataset, run, plan, fetch_size, on_progress) if plan else 0
+            with engine.begin() as connection:
+                consumed = checkpoints.advance(connection, queue, dataset.uri, run.after_position,
+                                               run.up_to_position, run.run_id, rows, consume)
+    finally:
+        engine.dispose()
+    return IngestSummary(queue, dataset.uri, run, rows, len(plan), time.monotonic() - started, adopted, consumed)
