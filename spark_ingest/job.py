@@ -68,22 +68,24 @@ def _partition_predicates(queue: str, run: Run, plan: list[tuple[int, int]]) -> 
 
 def _write(spark, database_url: str, queue: str, dataset: Dataset, run: Run, plan: list[tuple[int, int]],
            fetch_size: int, on_progress: Callable[[Progress], None] | None) -> int:
+    from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
     jdbc_url, properties = jdbc_connection(database_url, fetch_size)
+    written = Observation("written")  # counts the rows as they are written: no second pass
     frame = (spark.read.jdbc(jdbc_url, "broker.destination_queue", predicates=_partition_predicates(queue, run, plan),
                              properties=properties)
              .withColumn("body_text", F.when(F.col("validation") == "json", F.decode("body", "UTF-8")))
-             .select(*OUTPUT_COLUMNS))
+             .select(*OUTPUT_COLUMNS)
+             .observe(written, F.count(F.lit(1)).alias("rows")))
     staging = dataset.staging_location(run)
     job_group = f"broker-ingest {queue} {run.run_id}"
     spark.sparkContext.setJobGroup(job_group, f"ingest of queue {queue}, positions {run.run_id}")
     with ProgressReporter(spark, job_group, len(plan), sum(rows for _, rows in plan),
                           on_progress or (lambda _: None)):
         frame.write.mode("errorifexists").parquet(staging)
-    rows = dataset.count(staging)
     dataset.commit(staging, run)
-    return rows
+    return written.get["rows"]
 
 
 def ingest(spark, database_url: str, queue: str, output: str, *, partitions: int | None = None,

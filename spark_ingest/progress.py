@@ -42,13 +42,13 @@ class ProgressReporter:
                 done += stage.numCompletedTasks if stage else 0
         return min(done, self._partitions)
 
-    def snapshot(self, done: int) -> Progress:
+    def _snapshot(self, done: int) -> Progress:
         rows_done = self._rows * done // self._partitions if self._partitions else 0
         return Progress(done, self._partitions, rows_done, self._rows, time.monotonic() - self._started)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
-            self._report(self.snapshot(self._tasks_done()))
+            self._report(self._snapshot(self._tasks_done()))
 
     def __enter__(self) -> "ProgressReporter":
         self._thread.start()

@@ -1,0 +1,287 @@
+"""The Spark ingest (SPEC.md, invariant 6): a real local SparkSession reading a real PostgreSQL over JDBC.
+
+The dataset is compared with the queue as whole frames: every column of every row, each position once.
+"""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+import broker
+from spark_ingest.errors import IngestError
+from spark_ingest.jdbc import spark_session
+from spark_ingest.job import OUTPUT_COLUMNS, ingest
+from tests.factories import WAREHOUSE_QUEUE, begin
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = spark_session("local[2]")
+    yield session
+    session.stop()
+
+
+def send_conversations(engine, conversations: int, messages: int, tag: str = "") -> None:
+    """Conversations of JSON orders and binary notes (one not UTF-8, one empty), a transaction each."""
+    for i in range(conversations):
+        with engine.begin() as c:
+            handle = begin(c)
+            for j in range(messages):
+                if j % 3 == 2:
+                    broker.send(c, handle, "order.note", bytes([0xff, 0xfe, i % 256, j % 256]) if i % 2 else None)
+                else:
+                    broker.send(c, handle, "order.submit", f'{{"order": "{tag}{i}", "line": {j}, "pad": "{"x" * 900}"}}')
+
+
+def queue_content(engine) -> list[tuple]:
+    """The queue as the dataset should hold it, in OUTPUT_COLUMNS order, sorted by position."""
+    with engine.connect() as c:
+        rows = c.execute(text(
+            "SELECT queue_name, queue_position, conversation_id::text, conversation_handle::text,"
+            " conversation_group_id::text, message_sequence_number, service_name, contract_name, message_type,"
+            " body, CASE WHEN validation = 'json' THEN convert_from(body, 'UTF8') END, enqueued_at"
+            " FROM broker.destination_queue WHERE queue_name = :queue ORDER BY queue_position"),
+            {"queue": WAREHOUSE_QUEUE}).all()
+    return [(*row[:9], None if row[9] is None else bytes(row[9]), row[10], round(row[11].timestamp() * 1e6))
+            for row in rows]
+
+
+def dataset_content(spark, output: Path) -> list[tuple]:
+    """Every row of the dataset, sorted by position, in the same shape as queue_content."""
+    frame = spark.read.parquet(str(output))
+    assert frame.columns == [*OUTPUT_COLUMNS, "ingest_run"]
+    rows = sorted(frame.drop("ingest_run").collect(), key=lambda row: row.queue_position)
+    return [(*row[:9], None if row.body is None else bytes(row.body), row.body_text,
+             round(row.enqueued_at.timestamp() * 1e6)) for row in rows]
+
+
+def positions(content: list[tuple]) -> list[int]:
+    return [row[1] for row in content]
+
+
+def test_the_dataset_equals_the_queue(spark, engine, orders, tmp_path):
+    send_conversations(engine, 200, 5)
+    lake = tmp_path / "lake"
+    summary = ingest(spark, engine.url.render_as_string(hide_password=False), WAREHOUSE_QUEUE, str(lake), partitions=4)
+
+    expected = queue_content(engine)
+    assert len(expected) == 1000 and summary.rows == 1000 and summary.partitions == 4 and not summary.adopted
+    assert dataset_content(spark, lake) == expected
+    runs = {row.ingest_run for row in spark.read.parquet(str(lake)).select("ingest_run").distinct().collect()}
+    assert runs == {f"0-{summary.run.up_to_position}"}
+    assert max(positions(expected)) <= summary.run.up_to_position
+
+    again = ingest(spark, engine.url.render_as_string(hide_password=False), WAREHOUSE_QUEUE, str(lake))
+    assert again.rows == 0 and again.run.after_position == summary.run.up_to_position
+    assert dataset_content(spark, lake) == expected
+    with engine.connect() as c:
+        checkpoint = c.execute(text("SELECT queue_position, rows_ingested, runs FROM broker.ingests")).one()
+    assert tuple(checkpoint) == (again.run.up_to_position, 1000, 2)
+
+
+def test_a_late_commit_waits_for_the_next_run_and_is_never_skipped(spark, engine, orders, tmp_path):
+    url, lake = engine.url.render_as_string(hide_password=False), str(tmp_path / "lake")
+    with engine.connect() as early:
+        early_handle = begin(early)
+        broker.send(early, early_handle, "order.note", b"taken first, committed last")
+        early_position = early.execute(text("SELECT max(queue_position) FROM broker.queue_messages")).scalar_one()
+        with engine.begin() as late:
+            broker.send(late, begin(late), "order.note", b"taken last, committed first")
+        [late_position] = positions(queue_content(engine))
+        assert late_position > early_position  # a reader going by "position > last seen" would skip the early one
+
+        first = ingest(spark, url, WAREHOUSE_QUEUE, lake)
+        assert first.rows == 0 and first.run.up_to_position < early_position
+        early.commit()
+
+    second = ingest(spark, url, WAREHOUSE_QUEUE, lake)
+    assert second.rows == 2
+    assert dataset_content(spark, tmp_path / "lake") == queue_content(engine)
+
+
+def test_writers_committing_out_of_order_during_repeated_runs(spark, engine, orders, tmp_path):
+    """Writers hold transactions open for random times (a fifth roll back) while runs follow one another."""
+    import random
+
+    url, lake = engine.url.render_as_string(hide_password=False), str(tmp_path / "lake")
+    writing = True
+
+    def writer(seed: int) -> None:
+        rng = random.Random(seed)
+        while writing:
+            with engine.connect() as c:
+                handle = begin(c)
+                for j in range(rng.randint(1, 4)):
+                    broker.send(c, handle, "order.submit", f'{{"writer": {seed}, "line": {j}}}')
+                time.sleep(rng.random() * 0.6)
+                if rng.random() < 0.2:
+                    c.rollback()
+                else:
+                    c.commit()
+
+    writers = [threading.Thread(target=writer, args=(seed,)) for seed in range(4)]
+    for thread in writers:
+        thread.start()
+    held_back = 0
+    try:
+        runs = []
+        for _ in range(12):
+            time.sleep(0.2)
+            runs.append(ingest(spark, url, WAREHOUSE_QUEUE, lake, partitions=3))
+            with engine.connect() as c:
+                newest = c.execute(text("SELECT max(queue_position) FROM broker.queue_messages")).scalar_one()
+            held_back += newest is not None and newest > runs[-1].run.up_to_position
+    finally:
+        writing = False
+        for thread in writers:
+            thread.join()
+    runs.append(ingest(spark, url, WAREHOUSE_QUEUE, lake, partitions=3))
+
+    assert held_back > 0  # committed rows above a run's high-water mark waited for a later run
+    assert [run.run.after_position for run in runs[1:]] == [run.run.up_to_position for run in runs[:-1]]
+    content = dataset_content(spark, tmp_path / "lake")
+    assert len(set(positions(content))) == len(content) == sum(run.rows for run in runs) > 0
+    assert content == queue_content(engine)
+
+
+def _start(command: list[str], database_url: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "BROKER_DATABASE_URL": database_url, "PYSPARK_PYTHON": sys.executable,
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    with log.open("ab") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_when(process: subprocess.Popen, reached, what: str, timeout_s: float = 120) -> None:
+    """SIGKILLs the run's whole process group (Python and its JVM) the moment `reached()` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not reached():
+        assert process.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"the run never reached {what}"
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _run(command: list[str], database_url: str, log: Path) -> str:
+    process = _start(command, database_url, log)
+    assert process.wait(timeout=180) == 0, log.read_text()[-3000:]
+    return log.read_text().strip().splitlines()[-1]
+
+
+def _files_under(folder: Path, name_glob: str = "*") -> bool:
+    return folder.exists() and any(path.is_file() for path in folder.rglob(name_glob))
+
+
+def _committed_runs(lake: Path) -> list[str]:
+    return sorted(path.name for path in lake.glob("ingest_run=*")) if lake.exists() else []
+
+
+def _checkpoint_row_locked(engine):
+    """A transaction that holds the checkpoint row: a run blocks when it comes to advance it."""
+    connection = engine.connect()
+    connection.execute(text("SELECT 1 FROM broker.ingest_checkpoints FOR UPDATE")).one()
+    return connection
+
+
+def _blocked_at_the_checkpoint(engine) -> bool:
+    with engine.connect() as c:
+        return c.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%advance_ingest_checkpoint%'")).scalar_one() > 0
+
+
+def test_runs_killed_at_any_instant_leave_every_message_exactly_once(spark, engine, orders, tmp_path):
+    url, lake, log = engine.url.render_as_string(hide_password=False), tmp_path / "lake", tmp_path / "runs.log"
+    module = [sys.executable, "-m", "spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]
+    command_line = [str(BIN / "broker"), "ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]
+    spark_submit = [str(BIN / "spark-submit"), "--master", "local[2]", "--jars", "/usr/share/java/postgresql.jar",
+                    str(Path(__file__).parent.parent / "spark_ingest" / "__main__.py"), "--output", str(lake),
+                    "--queue", WAREHOUSE_QUEUE]
+    send_conversations(engine, 600, 5, "a")
+
+    # During the read and write: the first Parquet file appears in the staging directory.
+    run = _start([*module, "--partitions", "16", "--fetch-size", "100"], url, log)
+    _kill_when(run, lambda: _files_under(lake / "_incoming", "*.parquet"), "writing")
+    assert _committed_runs(lake) == []
+
+    # After the write and its rename into the dataset, before the checkpoint: the run waits for the row we hold.
+    send_conversations(engine, 50, 5, "b")
+    holder = _checkpoint_row_locked(engine)
+    run = _start(command_line, url, log)
+    _kill_when(run, lambda: _blocked_at_the_checkpoint(engine), "the checkpoint")
+    holder.rollback()
+    holder.close()
+    [written] = _committed_runs(lake)
+    assert f"adopted run {written.removeprefix('ingest_run=')}" in _run(module, url, log)
+
+    # Around Spark's job commit: written to staging, renamed or not yet.
+    send_conversations(engine, 50, 5, "c")
+    run = _start(command_line, url, log)
+    _kill_when(run, lambda: _files_under(lake / "_incoming", "_SUCCESS") or len(_committed_runs(lake)) > 1,
+               "its job commit")
+
+    # Reruns (through spark-submit) adopt what was committed, then read the rest.
+    send_conversations(engine, 50, 5, "d")
+    summaries = [_run(spark_submit, url, log)]
+    while "adopted" in summaries[-1]:
+        summaries.append(_run(spark_submit, url, log))
+
+    content = dataset_content(spark, lake)
+    assert len(set(positions(content))) == len(content) == 3750
+    assert content == queue_content(engine)
+    assert not _files_under(lake / "_incoming")
+
+
+def test_consume_deletes_the_rows_only_when_the_checkpoint_commits(spark, engine, orders, tmp_path):
+    url, lake, log = engine.url.render_as_string(hide_password=False), tmp_path / "lake", tmp_path / "runs.log"
+    send_conversations(engine, 40, 5, "a")
+    first_batch = queue_content(engine)
+    summary = ingest(spark, url, WAREHOUSE_QUEUE, str(lake), consume=True)
+    assert summary.consumed == summary.rows == 200 and queue_content(engine) == []
+
+    send_conversations(engine, 40, 5, "b")
+    second_batch = queue_content(engine)
+    holder = _checkpoint_row_locked(engine)
+    run = _start([sys.executable, "-m", "spark_ingest", "--consume", "--output", str(lake),
+                  "--queue", WAREHOUSE_QUEUE], url, log)
+    _kill_when(run, lambda: _blocked_at_the_checkpoint(engine), "the checkpoint")
+    assert len(_committed_runs(lake)) == 2
+    assert queue_content(engine) == second_batch  # in the dataset, not yet consumed
+    holder.rollback()
+    holder.close()
+    assert queue_content(engine) == second_batch
+
+    rerun = ingest(spark, url, WAREHOUSE_QUEUE, str(lake), consume=True)
+    assert rerun.adopted and rerun.consumed == rerun.rows == 200
+    assert queue_content(engine) == []
+    assert dataset_content(spark, lake) == first_batch + second_batch
+
+
+def test_what_the_ingest_refuses(spark, engine, orders, tmp_path):
+    url = engine.url.render_as_string(hide_password=False)
+    with pytest.raises(broker.UnknownObject, match="unknown queue 'nope'"):
+        ingest(spark, url, "nope", str(tmp_path / "lake"))
+
+    lake = tmp_path / "lake"
+    with engine.connect() as other_run:
+        other_run.execute(text("SELECT broker.try_lock_ingest(:queue, :output)"),
+                          {"queue": WAREHOUSE_QUEUE, "output": f"file:{lake}"})
+        with pytest.raises(IngestError, match="another ingest of queue 'warehouse_queue' into .* is running"):
+            ingest(spark, url, WAREHOUSE_QUEUE, str(lake))
+        other_run.execute(text("SELECT pg_advisory_unlock_all()"))  # the other run ends
+
+    (lake / "ingest_run=100-200").mkdir(parents=True)
+    with pytest.raises(IngestError, match="holds runs past the checkpoint at position 0"):
+        ingest(spark, url, WAREHOUSE_QUEUE, str(lake))
+    with engine.connect() as c:
+        assert c.execute(text("SELECT queue_position FROM broker.ingests")).scalar_one() == 0
