@@ -214,6 +214,26 @@ def ingest(
 
 
 @app.command()
+def bench(
+    output: Path = typer.Option(Path("bench-results"), help="folder for results.json and results.md"),
+    quick: bool = typer.Option(False, help="a smoke run: fewer messages"),
+    repetitions: int = typer.Option(3, min=1, max=50, help="measurements of each scenario and baseline"),
+) -> None:
+    """Measure each scenario next to its baseline in the same run (throwaway database, durable settings).
+
+    With BROKER_DATABASE_URL set, a database broker_bench_* is created on that server and dropped after;
+    otherwise an embedded PostgreSQL is started in a temporary folder.
+    """
+    from broker.bench.results import markdown_table
+    from broker.bench.runner import run_bench
+
+    results = run_bench(output, quick=quick, repetitions=repetitions, server_url=Settings().database_url,
+                        report=lambda line: console.print(line, style="dim", highlight=False))
+    print(markdown_table(results))
+    console.print(f"written to {output}/results.json and results.md")
+
+
+@app.command()
 def psql() -> None:
     """Open psql on the broker's database (the embedded one unless BROKER_DATABASE_URL is set)."""
     with database(Settings()) as (url, server):

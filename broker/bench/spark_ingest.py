@@ -1,0 +1,92 @@
+"""Spark ingest: `broker ingest` of N 1 KB messages against a plain spark.read.jdbc → Parquet of the same rows."""
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy import Engine, text
+
+from broker.bench.results import Measurement, ScenarioResult
+from spark_ingest.jdbc import jdbc_connection, spark_session
+from spark_ingest.job import ingest
+
+QUEUE = "bench_ingest_queue"
+
+# The catalog, and N messages of 1 KB sent in transactions of 100, in the server.
+DEFINE_CATALOG = """
+SELECT broker.create_message_type('bench.record', 'none');
+SELECT broker.create_contract('bench.ingest', '{"bench.record": "initiator"}');
+SELECT broker.create_queue('bench_ingest_source');
+SELECT broker.create_queue('bench_ingest_queue');
+SELECT broker.create_service('bench_ingest_sender', 'bench_ingest_source');
+SELECT broker.create_service('bench_ingest_receiver', 'bench_ingest_queue', ARRAY['bench.ingest']);
+"""
+SEND_A_CONVERSATION_OF_100 = """
+SELECT broker.send(h.handle, 'bench.record', convert_to(lpad(i::text, 1024, 'x'), 'UTF8'))
+FROM (SELECT broker.begin_dialog('bench_ingest_sender', 'bench_ingest_receiver', 'bench.ingest') AS handle) h,
+     generate_series(1, 100) i
+"""
+QUEUE_BOUNDS = """
+SELECT min(queue_position), max(queue_position), count(*)
+FROM broker.queue_messages WHERE queue_id = (SELECT queue_id FROM broker.queues WHERE name = :queue)
+"""
+FORGET_CHECKPOINTS = "DELETE FROM broker.ingest_checkpoints"
+
+
+def load(engine: Engine, messages: int, report: Callable[[str], None]) -> None:
+    with engine.begin() as connection:
+        connection.exec_driver_sql(DEFINE_CATALOG)
+    for sent in range(0, messages, 100):
+        with engine.begin() as connection:
+            connection.execute(text(SEND_A_CONVERSATION_OF_100))
+        if sent % 20_000 == 0:
+            report(f"spark ingest: loading {messages:,} messages, {sent:,} sent")
+
+
+def run(engine: Engine, database_url: str, messages: int, repetitions: int,
+        report: Callable[[str], None]) -> ScenarioResult:
+    load(engine, messages, report)
+    with engine.connect() as connection:
+        low, high, count = connection.execute(text(QUEUE_BOUNDS), {"queue": QUEUE}).one()
+    spark = spark_session("local[2]")
+    partitions = 4 * spark.sparkContext.defaultParallelism
+    jdbc_url, properties = jdbc_connection(database_url, 10_000)
+    folder = Path(tempfile.mkdtemp(prefix="broker-bench-ingest-"))
+
+    def plain_read() -> float:
+        target = folder / "plain"
+        shutil.rmtree(target, ignore_errors=True)
+        started = time.monotonic()
+        (spark.read.jdbc(jdbc_url, f"(SELECT * FROM broker.destination_queue WHERE queue_name = '{QUEUE}') q",
+                         column="queue_position", lowerBound=low, upperBound=high + 1, numPartitions=partitions,
+                         properties=properties)
+         .write.parquet(str(target)))
+        return count / (time.monotonic() - started)
+
+    def broker_ingest() -> float:
+        target = folder / "ingest"
+        shutil.rmtree(target, ignore_errors=True)
+        with engine.begin() as connection:
+            connection.execute(text(FORGET_CHECKPOINTS))
+        started = time.monotonic()
+        summary = ingest(spark, database_url, QUEUE, str(target), partitions=partitions)
+        if summary.rows != count:
+            raise RuntimeError(f"the ingest wrote {summary.rows:,} rows of {count:,}")
+        return count / (time.monotonic() - started)
+
+    try:
+        plain_read(), broker_ingest()  # warm the JVM, the JDBC driver and the Parquet writer
+        plain, ours = [], []
+        for repetition in range(1, repetitions + 1):
+            plain.append(plain_read())
+            ours.append(broker_ingest())
+            report(f"spark ingest: repetition {repetition}/{repetitions}: plain read {plain[-1]:,.0f} rows/s, "
+                   f"broker ingest {ours[-1]:,.0f} rows/s")
+    finally:
+        spark.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    return ScenarioResult("Spark ingest", Measurement("broker ingest", "rows/s", ours),
+                          Measurement("spark.read.jdbc → Parquet", "rows/s", plain), target_ratio=0.8,
+                          details={"messages": count, "message_bytes": 1024, "master": "local[2]",
+                                   "partitions": partitions})
