@@ -14,8 +14,8 @@ def _run(*args, env=None, timeout=300):
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("command", [[], ["migrate"], ["keys"], ["keys", "create"], ["psql"], ["demo"], ["serve"], ["ingest"],
-                                     ["relay"]])
+@pytest.mark.parametrize("command", [[], ["migrate"], ["keys"], ["keys", "create"], ["psql"], ["demo"], ["serve"],
+                                     ["ingest"], ["bench"], ["relay"]])
 def test_every_command_has_help(command):
     result = _run(*command, "--help")
     assert result.returncode == 0
