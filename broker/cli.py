@@ -173,6 +173,51 @@ def revoke_key(key_id: str = typer.Argument(..., help="the key id that 'broker k
 
 
 @app.command()
+def status(as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
+    """Show queues, conversations by state, the transmission queue by destination, ingests and dead letters."""
+    import json
+
+    from rich.table import Table
+
+    from broker.status import age, json_default, node_status
+
+    with database_engine() as engine, engine.connect() as connection:
+        report = node_status(connection)
+    if as_json:
+        print(json.dumps(report, default=json_default, indent=2))
+        return
+    queues = Table("queue", "status", "depth", "oldest", "readers", "dead letters", title="Queues", title_justify="left")
+    for q in report["queues"]:
+        queues.add_row(q["queue_name"], q["status"], f"{q['depth']:,}", age(q["oldest_message_age_s"]),
+                       str(q["readers"]), str(q["dead_letters"]))
+    conversations = Table("service", "state", "conversations", "oldest", title="Conversation endpoints",
+                          title_justify="left")
+    for c in report["conversations"]:
+        conversations.add_row(c["service_name"], c["state"].replace("_", " "), f"{c['conversations']:,}",
+                              f"{c['oldest_created_at']:%Y-%m-%d %H:%M:%S}")
+    transmission = Table("destination", "messages", "conversations", "oldest", "attempts", "status",
+                         title="Transmission queue", title_justify="left")
+    for t in report["transmission_queue"]:
+        transmission.add_row(t["destination"], f"{t['messages']:,}", f"{t['conversations']:,}",
+                             age(t["oldest_message_age_s"]), str(t["attempts"]), t["status"])
+    ingests = Table("queue", "output", "position", "rows", "runs", "last run at", title="Spark ingests",
+                    title_justify="left")
+    for i in report["ingests"]:
+        ingests.add_row(i["queue_name"], i["output"], str(i["queue_position"]), f"{i['rows_ingested']:,}",
+                        str(i["runs"]), f"{i['updated_at']:%Y-%m-%d %H:%M:%S}")
+    dead = Table("queue", "conversation", "#", "message type", "reason", "at", title="Latest dead letters",
+                 title_justify="left")
+    for d in report["dead_letters"]:
+        dead.add_row(d["queue_name"], str(d["conversation_id"]), str(d["message_sequence_number"]),
+                     d["message_type"], d["reason"], f"{d['dead_lettered_at']:%Y-%m-%d %H:%M:%S}")
+    for table in (queues, conversations, transmission, ingests, dead):
+        if table.row_count:
+            console.print(table)
+        else:
+            console.print(f"{table.title}: none", style="dim")
+
+
+@app.command()
 def ingest(
     queue: str = typer.Option(..., help="the queue to ingest"),
     output: str = typer.Option(..., help="the Parquet dataset's location (a path or a Hadoop URI)"),

@@ -1,10 +1,14 @@
 """The `broker` command, run as a user runs it."""
+import json
 import os
 import subprocess
 import sys
+from uuid import uuid4
 
 import psutil
 import pytest
+
+import broker
 
 BROKER = [sys.executable, "-m", "broker.cli"]
 
@@ -15,7 +19,7 @@ def _run(*args, env=None, timeout=300):
 
 
 @pytest.mark.parametrize("command", [[], ["migrate"], ["keys"], ["keys", "create"], ["psql"], ["demo"], ["serve"],
-                                     ["ingest"], ["bench"], ["relay"]])
+                                     ["ingest"], ["bench"], ["relay"], ["status"]])
 def test_every_command_has_help(command):
     result = _run(*command, "--help")
     assert result.returncode == 0
@@ -72,3 +76,26 @@ def test_a_key_with_a_malformed_scope_is_refused(database_url):
                   env={"BROKER_DATABASE_URL": database_url})
     assert result.returncode == 2
     assert "invalid scope" in result.stdout + result.stderr
+
+
+def test_status_shows_queues_conversations_and_the_transmission_queue(engine, orders, database_url):
+    with engine.begin() as c:
+        broker.create_route(c, "far_away", "http://127.0.0.1:9/", uuid4(), "a-secret-of-16-chars")
+        broker.send(c, broker.begin_dialog(c, "shop", "far_away", "orders"), "order.submit", '{"sku": 1}')
+        broker.send(c, orders.begin(c), "order.note", "local")
+    env = {"BROKER_DATABASE_URL": database_url, "COLUMNS": "200"}
+
+    report = json.loads(_run("status", "--json", env=env).stdout)
+    queues = {q["queue_name"]: q for q in report["queues"]}
+    assert queues["warehouse_queue"]["depth"] == 1 and queues["shop_queue"]["depth"] == 0
+    assert {(c["service_name"], c["state"], c["conversations"]) for c in report["conversations"]} == {
+        ("shop", "conversing", 2), ("warehouse", "conversing", 1)}
+    [waiting] = report["transmission_queue"]
+    assert (waiting["destination"], waiting["messages"], waiting["status"]) == (
+        "http://127.0.0.1:9", 1, "waiting for its first transmission")  # the address as stored
+
+    tables = _run("status", env=env)
+    assert tables.returncode == 0
+    for expected in ("Queues", "warehouse_queue", "Conversation endpoints", "Transmission queue",
+                     "waiting for its first transmission", "Spark ingests: none", "Latest dead letters: none"):
+        assert expected in tables.stdout
