@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "broker_transmission_queue"
 IDLE_WAKE_S = 1.0
+# Closes and acknowledgements forget old closed endpoints as they happen; on a
+# quiet node the relay does it now and then, so none outstays its retention.
+FORGET_EVERY_S = 60.0
 
 DESTINATIONS = text(
     "SELECT address, broker_instance, peer_secret, next_attempt_at <= now() AS due,"
@@ -38,6 +41,7 @@ APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :reason, :retry_after)")
 LOCK_DESTINATION = text("SELECT pg_try_advisory_lock(1651663724, hashtext(:address))")
 UNLOCK_DESTINATION = text("SELECT pg_advisory_unlock(1651663724, hashtext(:address))")
+FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
 
 
 class TransportFailure(Exception):
@@ -58,6 +62,7 @@ class Relay:
         self.batch_size = batch_size
         self.failures_in_a_row: dict[str, int] = {}
         self.delivered = 0
+        self.forget_at = 0.0
 
     def run(self, stop: threading.Event) -> None:
         """Relays until stop is set, woken by notifications of new messages or by a due retry.
@@ -96,6 +101,10 @@ class Relay:
 
     def run_once(self) -> float:
         """Sends to every destination that is due; returns how long to wait before anything else is due."""
+        if time.monotonic() >= self.forget_at:
+            with self.engine.begin() as connection:
+                connection.execute(FORGET_CLOSED_ENDPOINTS)
+            self.forget_at = time.monotonic() + FORGET_EVERY_S
         with self.engine.connect() as connection:
             instance = str(connection.execute(OUR_INSTANCE).scalar_one())
             destinations = connection.execute(DESTINATIONS).all()

@@ -10,8 +10,8 @@ QUEUES = text(
     " dead_letters, retention, poison_threshold"
     " FROM broker.queue_status ORDER BY queue_name")
 CONVERSATIONS = text(
-    "SELECT service_name, state, count(*) AS conversations, min(created_at) AS oldest_created_at"
-    " FROM broker.conversation_endpoints GROUP BY service_name, state ORDER BY service_name, state")
+    "SELECT service_name, state, endpoints, oldest_created_at, without_lifetime"
+    " FROM broker.endpoint_counts ORDER BY service_name, state")
 # One row per destination node: how much waits for it, since when, and why (the
 # status of the message that has waited longest).
 TRANSMISSION = text(
