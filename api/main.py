@@ -1,7 +1,6 @@
 """The node's HTTP application: the /v1 REST API, the node-to-node transport, probes and metrics."""
 from contextlib import asynccontextmanager
 
-from alembic.script import ScriptDirectory
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
@@ -43,7 +42,7 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
     app.state.engine = create_engine(database_url, pool_size=16, max_overflow=16, pool_pre_ping=True)
     app.state.max_wait_ms = max_wait_ms
     app.state.arrivals = Arrivals(database_url)
-    app.state.schema_head = ScriptDirectory.from_config(migrate.alembic_config(database_url)).get_current_head()
+    app.state.schema_head = migrate.head_revision()
     app.state.database_metrics = CollectorRegistry()
     app.state.database_metrics.register(DatabaseCollector(app.state.engine))
     with app.state.engine.connect() as connection:

@@ -190,11 +190,11 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
     for q in report["queues"]:
         queues.add_row(q["queue_name"], q["status"], f"{q['depth']:,}", age(q["oldest_message_age_s"]),
                        str(q["readers"]), str(q["dead_letters"]))
-    conversations = Table("service", "state", "conversations", "oldest", title="Conversation endpoints",
-                          title_justify="left")
+    conversations = Table("service", "state", "endpoints", "without lifetime", "oldest",
+                          title="Conversation endpoints", title_justify="left")
     for c in report["conversations"]:
-        conversations.add_row(c["service_name"], c["state"].replace("_", " "), f"{c['conversations']:,}",
-                              f"{c['oldest_created_at']:%Y-%m-%d %H:%M:%S}")
+        conversations.add_row(c["service_name"], c["state"].replace("_", " "), f"{c['endpoints']:,}",
+                              f"{c['without_lifetime']:,}", f"{c['oldest_created_at']:%Y-%m-%d %H:%M:%S}")
     transmission = Table("destination", "messages", "conversations", "oldest", "attempts", "status",
                          title="Transmission queue", title_justify="left")
     for t in report["transmission_queue"]:
@@ -215,6 +215,41 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
             console.print(table)
         else:
             console.print(f"{table.title}: none", style="dim")
+
+
+@app.command()
+def diagnose(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
+    """Check the configuration end to end: schema, queues, routes, and every peer (answers, is the instance
+    its route names, accepts our signature, clock, services, queues, contracts, a route back).
+
+    Exits 1 when something is wrong; each finding says what to do.
+    """
+    import dataclasses
+    import json
+
+    import httpx
+    from rich.table import Table
+
+    from broker.diagnose import diagnose as run_checks
+
+    settings = Settings()
+    verify = str(settings.tls_ca_file) if settings.tls_ca_file else True
+    with database_engine() as engine, engine.connect() as connection, \
+            httpx.Client(timeout=10, verify=verify) as client:
+        findings = run_checks(connection, client, migrations.head_revision())
+    if as_json:
+        print(json.dumps([dataclasses.asdict(finding) for finding in findings], indent=2))
+    else:
+        table = Table("", "check", "finding", "what to do")
+        marks = {"ok": "[green]✓[/green]", "warning": "[yellow]![/yellow]", "error": "[red]✗[/red]"}
+        for finding in findings:
+            table.add_row(marks[finding.level], finding.check, finding.finding, finding.advice)
+        console.print(table)
+    errors = sum(finding.level == "error" for finding in findings)
+    if not as_json:
+        console.print(f"{errors} problems found" if errors else "no problems found",
+                      style="red" if errors else "green")
+    raise typer.Exit(1 if errors else 0)
 
 
 @app.command()

@@ -30,6 +30,13 @@ def alembic_config(database_url: str) -> Config:
     return config
 
 
+def head_revision() -> str:
+    """The revision this version of the broker needs."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config("")).get_current_head()
+
+
 def upgrade(database_url: str, revision: str = "head") -> None:
     command.upgrade(alembic_config(database_url), revision)
 

@@ -94,3 +94,11 @@ def orders(engine):
     with engine.begin() as connection:
         factories.define_orders(connection)
     return factories
+
+
+@pytest.fixture
+def nodes(admin_url, template_database, tmp_path):
+    """Two nodes conversing over HTTP: see tests/nodes.py."""
+    from tests.nodes import two_nodes
+
+    yield from two_nodes(admin_url, template_database, tmp_path)

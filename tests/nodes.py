@@ -101,3 +101,25 @@ def define_node(node, queue, service):
             broker.create_contract(c, name, types)
         broker.create_queue(c, queue)
         broker.create_service(c, service, queue, ["orders"])
+
+
+def two_nodes(admin_url, template_database, tmp_path, tls=(None, None)):
+    """Node a (the shop) and node b (the warehouse), each routing to the other, both serving."""
+    from tests.conftest import _fresh_database
+
+    databases = [_fresh_database(admin_url, template_database) for _ in range(2)]
+    a, b = (Node(name, next(db), tmp_path, tls=node_tls) for name, db, node_tls in zip("ab", databases, tls))
+    define_node(a, "shop_queue", "shop")
+    define_node(b, "warehouse_queue", "warehouse")
+    with a.engine.begin() as c:
+        broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
+    with b.engine.begin() as c:
+        broker.create_route(c, "shop", a.address, a.instance, SECRET)
+    a.start()
+    b.start()
+    yield a, b
+    for node in (a, b):
+        node.stop()
+        node.engine.dispose()
+    for db in databases:
+        next(db, None)

@@ -19,7 +19,7 @@ def _run(*args, env=None, timeout=300):
 
 
 @pytest.mark.parametrize("command", [[], ["migrate"], ["keys"], ["keys", "create"], ["psql"], ["demo"], ["serve"],
-                                     ["ingest"], ["bench"], ["relay"], ["status"]])
+                                     ["ingest"], ["bench"], ["relay"], ["status"], ["diagnose"]])
 def test_every_command_has_help(command):
     result = _run(*command, "--help")
     assert result.returncode == 0
@@ -40,7 +40,7 @@ def test_migrate_applies_to_the_configured_database(empty_database_url):
     assert _run("migrate", env={"BROKER_DATABASE_URL": empty_database_url}).returncode == 0
     current = _run("migrate", "current", env={"BROKER_DATABASE_URL": empty_database_url})
     assert current.returncode == 0
-    assert "0004 (head)" in current.stdout + current.stderr
+    assert "0005 (head)" in current.stdout + current.stderr
 
 
 def test_a_bad_argument_exits_with_usage_error():
@@ -88,7 +88,7 @@ def test_status_shows_queues_conversations_and_the_transmission_queue(engine, or
     report = json.loads(_run("status", "--json", env=env).stdout)
     queues = {q["queue_name"]: q for q in report["queues"]}
     assert queues["warehouse_queue"]["depth"] == 1 and queues["shop_queue"]["depth"] == 0
-    assert {(c["service_name"], c["state"], c["conversations"]) for c in report["conversations"]} == {
+    assert {(c["service_name"], c["state"], c["endpoints"]) for c in report["conversations"]} == {
         ("shop", "conversing", 2), ("warehouse", "conversing", 1)}
     [waiting] = report["transmission_queue"]
     assert (waiting["destination"], waiting["messages"], waiting["status"]) == (

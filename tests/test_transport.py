@@ -12,32 +12,7 @@ from sqlalchemy import text
 
 import broker
 from broker import signing
-from tests.conftest import _fresh_database
-from tests.nodes import SECRET, Node, define_node, wait_for
-
-def _two_nodes(admin_url, template_database, tmp_path, tls=(None, None)):
-    databases = [_fresh_database(admin_url, template_database) for _ in range(2)]
-    a, b = (Node(name, next(db), tmp_path, tls=node_tls) for name, db, node_tls in zip("ab", databases, tls))
-    define_node(a, "shop_queue", "shop")
-    define_node(b, "warehouse_queue", "warehouse")
-    with a.engine.begin() as c:
-        broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
-    with b.engine.begin() as c:
-        broker.create_route(c, "shop", a.address, a.instance, SECRET)
-    a.start()
-    b.start()
-    yield a, b
-    for node in (a, b):
-        node.stop()
-        node.engine.dispose()
-    for db in databases:
-        next(db, None)
-
-
-@pytest.fixture
-def nodes(admin_url, template_database, tmp_path):
-    yield from _two_nodes(admin_url, template_database, tmp_path)
-
+from tests.nodes import SECRET, two_nodes, wait_for
 
 @pytest.fixture
 def tls_nodes(admin_url, template_database, tmp_path):
@@ -52,7 +27,7 @@ def tls_nodes(admin_url, template_database, tmp_path):
         certificate.cert_chain_pems[0].write_to_path(str(cert))
         certificate.private_key_pem.write_to_path(str(key))
         tls.append({"cert": cert, "key": key, "ca": trusted_ca})
-    yield from _two_nodes(admin_url, template_database, tmp_path, tls=tls)
+    yield from two_nodes(admin_url, template_database, tmp_path, tls=tls)
 
 
 def _by_conversation(messages):
@@ -280,3 +255,31 @@ def test_nodes_serve_tls_and_a_relay_refuses_a_peer_it_cannot_verify(tls_nodes):
     assert "CERTIFICATE_VERIFY_FAILED" in status
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{b.port}/healthz", timeout=2)  # plain HTTP to the TLS port
+
+
+def test_a_forgotten_conversation_sent_again_is_acknowledged_not_reopened(nodes):
+    """The peer's first messages arrive again after both sides closed and forgot: a retry after an outage."""
+    a, b = nodes
+    for node in nodes:
+        with node.engine.begin() as c:
+            c.execute(text("UPDATE broker.node SET closed_endpoint_retention = '0'"))
+    with a.engine.begin() as c:
+        handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
+        broker.send(c, handle, "order.note", "once")
+        broker.end_conversation(c, handle)
+        conversation = c.execute(text("SELECT conversation_id FROM broker.endpoints")).scalar_one()
+    wait_for(lambda: b.scalar("SELECT count(*) FROM broker.queue_messages") == 2, 30, "b to get the conversation")
+    with b.engine.begin() as c:
+        messages = broker.receive(c, "warehouse_queue", 10)
+        broker.end_conversation(c, messages[0].conversation_handle)
+    for node in nodes:
+        wait_for(lambda: node.scalar("SELECT count(*) FROM broker.endpoints") == 0, 30, "both sides to forget")
+    assert b.scalar("SELECT count(*) FROM broker.forgotten_conversations") == 1
+
+    replay = _batch(conversation, [1], body=b"once")
+    replay["conversations"][0]["messages"].append({"sequence_number": 2, "message_type": "broker.end_dialog",
+                                                   "body": None})
+    answer = _post(b, a, json.dumps(replay).encode())
+    assert answer.status_code == 200 and answer.json()["results"][0]["acknowledged"] == 2
+    assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
+    assert _stored(b) == []

@@ -1,0 +1,171 @@
+"""`broker diagnose`: checks a node's configuration end to end, each finding with what to do.
+
+In the spirit of Service Broker's ssbdiagnose: the schema, the queues, a route for every
+remote service in use, and for every peer: that it answers, is the instance the route names,
+accepts our signature and signs its answer, keeps a clock close to ours, offers the service
+with an enabled queue, defines the contracts as we do, and has a route back to us.
+"""
+import json
+import time
+from dataclasses import dataclass
+from itertools import groupby
+
+import httpx
+from sqlalchemy import Connection, text
+
+from broker import signing
+
+SCHEMA_VERSION = text("SELECT version_num FROM public.broker_alembic_version")
+OUR_INSTANCE = text("SELECT broker_instance FROM broker.node")
+QUEUES = text("SELECT queue_name, status, dead_letters FROM broker.queue_status ORDER BY queue_name")
+UNROUTED_SERVICES = text(
+    "SELECT t.to_service, count(*) AS messages FROM broker.transmission_queue t"
+    " WHERE NOT EXISTS (SELECT 1 FROM broker.routes r WHERE r.service_name = t.to_service)"
+    " GROUP BY t.to_service ORDER BY t.to_service")
+ROUTES = text("SELECT service_name, address, broker_instance, peer_secret FROM broker.routes"
+              " ORDER BY address, broker_instance, peer_secret, service_name")
+# Contracts as both nodes describe them: message type -> who sends it and its validation.
+CONTRACTS = text(
+    "SELECT c.name, jsonb_object_agg(mt.name, jsonb_build_object('sent_by', cmt.sent_by,"
+    " 'validation', mt.validation)) AS message_types"
+    " FROM broker.contracts c JOIN broker.contract_message_types cmt USING (contract_id)"
+    " JOIN broker.message_types mt USING (message_type_id) GROUP BY c.name")
+CONTRACTS_IN_USE = text(
+    "SELECT DISTINCT far_service, contract_name FROM broker.conversation_endpoints"
+    " WHERE NOT far_is_local AND state <> 'closed'")
+FAILING_DESTINATIONS = text(
+    "SELECT r.address, count(*) AS messages, max(t.attempts) AS attempts,"
+    " (array_agg(t.transmission_status ORDER BY t.attempts DESC))[1] AS status"
+    " FROM broker.transmission_queue t JOIN broker.routes r ON r.service_name = t.to_service"
+    " WHERE t.attempts > 0 GROUP BY r.address ORDER BY r.address")
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    level: str  # "ok", "warning" or "error"
+    check: str
+    finding: str
+    advice: str = ""
+
+
+def _ok(check: str, finding: str) -> Finding:
+    return Finding("ok", check, finding)
+
+
+def _local_findings(connection: Connection, schema_head: str) -> list[Finding]:
+    findings = []
+    version = connection.execute(SCHEMA_VERSION).scalar()
+    findings.append(_ok("schema", f"at revision {version}") if version == schema_head else Finding(
+        "error", "schema", f"the database is at revision {version}, this version needs {schema_head}",
+        "run 'broker migrate'"))
+    for queue in connection.execute(QUEUES):
+        if queue.status != "enabled":
+            findings.append(Finding(
+                "error", f"queue {queue.queue_name}", f"disabled ({queue.dead_letters} dead letters)",
+                f"look at broker.dead_letters, then SELECT broker.alter_queue('{queue.queue_name}', status => true)"))
+        else:
+            findings.append(_ok(f"queue {queue.queue_name}", "enabled"))
+    for service in connection.execute(UNROUTED_SERVICES):
+        findings.append(Finding(
+            "error", f"service {service.to_service}", f"{service.messages} messages wait for it, and it has no route",
+            f"SELECT broker.create_route('{service.to_service}', '<address of its node>', "
+            "'<that node's broker_instance>', '<the secret you share with it>')"))
+    for destination in connection.execute(FAILING_DESTINATIONS):
+        findings.append(Finding(
+            "warning", f"transmission to {destination.address}",
+            f"{destination.messages} messages waiting, up to {destination.attempts} attempts: {destination.status}",
+            "see the checks of that node's routes below"))
+    return findings
+
+
+def _describe(client: httpx.Client, address: str, instance: str, secret: str, services: list[str],
+              contracts: list[str]) -> httpx.Response:
+    body = json.dumps({"services": services, "contracts": contracts}).encode()
+    return client.post(f"{address}/transport/v1/describe", content=body,
+                       headers=signing.signed_headers(secret, instance, body))
+
+
+def _peer_findings(client: httpx.Client, address: str, route_instance: str, secret: str, services: list[str],
+                   our_instance: str, our_contracts: dict, contracts_in_use: dict[str, set[str]]) -> list[Finding]:
+    check = f"node {address}"
+    try:
+        health = client.get(f"{address}/healthz")
+    except httpx.HTTPError as error:
+        tls = "certificate" in str(error).lower() or "ssl" in str(error).lower()
+        return [Finding("error", check, f"does not answer: {error}",
+                        "trust its CA with BROKER_TLS_CA_FILE" if tls else
+                        "start that node ('broker serve'), or fix the routes' address")]
+    if health.status_code != 200:
+        return [Finding("error", check, f"/healthz answers {health.status_code}", "look at that node's log")]
+    their_instance = health.json().get("broker_instance")
+    if their_instance != route_instance:
+        return [Finding("error", check, f"is instance {their_instance}, the routes to it say {route_instance}",
+                        f"recreate the routes of {', '.join(services)} with broker_instance {their_instance}")]
+
+    answer = _describe(client, address, our_instance, secret, services, sorted(our_contracts))
+    if answer.status_code == 401:
+        detail = answer.json().get("detail", "")
+        return [Finding("error", check, f"refuses our signature: {detail}",
+                        "keep the clocks in sync (NTP)" if "clock" in detail else
+                        f"that node needs a route to one of our services with our broker_instance {our_instance} "
+                        "and the same secret")]
+    if answer.status_code != 200:
+        return [Finding("error", check, f"answers {answer.status_code} to a signed request: {answer.text[:200]}",
+                        "upgrade that node to this version")]
+    try:
+        signing.matching_secret([secret], answer.headers.get(signing.TIMESTAMP_HEADER),
+                                answer.headers.get(signing.SIGNATURE_HEADER), answer.content)
+    except signing.BadSignature as refusal:
+        return [Finding("error", check, f"its answer is not signed with our shared secret: {refusal}",
+                        "use the same secret in the routes on both nodes")]
+    skew = abs(time.time() - int(answer.headers[signing.TIMESTAMP_HEADER]))
+    findings = [_ok(check, f"answers as instance {their_instance}, signs both ways, clock within {skew:.0f} s")
+                if skew <= signing.MAX_CLOCK_SKEW_S / 2 else
+                Finding("warning", check, f"its clock is {skew:.0f} s from ours (at most {signing.MAX_CLOCK_SKEW_S} s "
+                        "are accepted)", "keep the clocks in sync (NTP)")]
+    described = answer.json()
+    for service in services:
+        offered = described["services"].get(service)
+        if offered is None:
+            findings.append(Finding("error", f"service {service}", f"{address} has no service {service}",
+                                    f"create it on that node, or point the route of {service} elsewhere"))
+            continue
+        if not offered["queue_enabled"]:
+            findings.append(Finding("error", f"service {service}",
+                                    f"its queue {offered['queue']} on {address} is disabled",
+                                    "on that node: look at broker.dead_letters, then enable the queue with "
+                                    "broker.alter_queue"))
+        refused = contracts_in_use.get(service, set()) - set(offered["contracts"])
+        for contract in sorted(refused):
+            findings.append(Finding("error", f"service {service}",
+                                    f"conversations here use contract {contract}, which it does not accept",
+                                    f"on that node: add {contract} to the contracts of {service}"))
+        for contract in offered["contracts"]:
+            theirs, ours = described["contracts"].get(contract), our_contracts.get(contract)
+            if ours is not None and theirs != ours:
+                findings.append(Finding("error", f"contract {contract}",
+                                        f"differs: here {json.dumps(ours)}, on {address} {json.dumps(theirs)}",
+                                        "define it the same way on both nodes"))
+        if offered["queue_enabled"] and not refused:
+            findings.append(_ok(f"service {service}", f"on {address}, accepts {', '.join(offered['contracts'])}"))
+    if not described["routes_to_you"]:
+        findings.append(Finding("warning", check, "has no route to any service here: its replies cannot reach us",
+                                f"on that node: broker.create_route('<our service>', '<our address>', "
+                                f"'{our_instance}', '<the shared secret>')"))
+    return findings
+
+
+def diagnose(connection: Connection, client: httpx.Client, schema_head: str) -> list[Finding]:
+    findings = _local_findings(connection, schema_head)
+    our_instance = str(connection.execute(OUR_INSTANCE).scalar_one())
+    our_contracts = dict(connection.execute(CONTRACTS).all())
+    contracts_in_use: dict[str, set[str]] = {}
+    for row in connection.execute(CONTRACTS_IN_USE):
+        contracts_in_use.setdefault(row.far_service, set()).add(row.contract_name)
+    routes = connection.execute(ROUTES).all()
+    for (address, instance, secret), group in groupby(routes, key=lambda r: (r.address, r.broker_instance,
+                                                                           r.peer_secret)):
+        services = [route.service_name for route in group]
+        findings += _peer_findings(client, address, str(instance), secret, services, our_instance, our_contracts,
+                                   contracts_in_use)
+    return findings
