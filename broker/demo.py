@@ -1,103 +1,258 @@
-"""`broker demo`: a shop orders from a warehouse over many conversations; the guarantees are checked."""
+"""`broker demo`: two nodes on embedded databases order from each other across the HTTP relay.
+
+A's shop orders from B's warehouse and B's shop from A's; halfway through the sending,
+A's relay is killed (SIGKILL) and started again.  Once everything has arrived, Spark
+ingests both warehouse queues into Parquet; then the warehouses consume every order line
+in order, confirm and end, and the shops end on the confirmation.  The summary shows
+that each guarantee held.
+"""
 import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
 import threading
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 
 import broker
+from broker import migrate
 from broker.activation import run_activation
+from broker.embedded import EmbeddedPostgres
 
-CATALOG = [
-    ("message type", lambda c: broker.create_message_type(c, "order.line", "json")),
-    ("message type", lambda c: broker.create_message_type(c, "order.confirmed", "empty")),
-    ("contract", lambda c: broker.create_contract(c, "orders", {"order.line": "initiator",
-                                                                "order.confirmed": "target"})),
-    ("queue", lambda c: broker.create_queue(c, "shop_queue")),
-    ("queue", lambda c: broker.create_queue(c, "warehouse_queue")),
-    ("service", lambda c: broker.create_service(c, "//demo/shop", "shop_queue")),
-    ("service", lambda c: broker.create_service(c, "//demo/warehouse", "warehouse_queue", ["orders"])),
-]
+LINE, CONFIRMED, CONTRACT = "order.line", "order.confirmed", "orders"
+COUNT_STORED = text("SELECT count(*), count(DISTINCT (conversation_id, message_sequence_number)),"
+                    " count(*) FILTER (WHERE line <> message_sequence_number) FROM order_lines")
+WAITING_TO_TRANSMIT = text("SELECT count(*) FROM broker.transmission_queue")
+WAITING_IN_QUEUE = text("SELECT depth FROM broker.queue_status WHERE queue_name = :queue")
+OPEN_ENDPOINTS = text("SELECT count(*) FROM broker.endpoints WHERE state <> 'closed'")
 
 
-def _warehouse(connection, batch):
-    """Records each order line in the same transaction that consumes it, and confirms complete orders."""
+@dataclass
+class DemoNode:
+    name: str
+    database_url: str
+    port: int
+    engine: Engine
+    instance: str
+    api: subprocess.Popen | None = None
+    relay: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def service(self, role: str) -> str:
+        return f"//demo/{self.name}/{role}"
+
+    def scalar(self, query, **params):
+        with self.engine.connect() as connection:
+            return connection.execute(query, params).scalar_one()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start(node: DemoNode, *command: str, log: Path) -> subprocess.Popen:
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "broker.cli", *command], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "BROKER_DATABASE_URL": node.database_url})
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _stop_processes(node: DemoNode) -> None:
+    for process in (node.api, node.relay):
+        if process.poll() is None:
+            process.terminate()
+            process.wait(20)
+
+
+def _answers(node: DemoNode) -> bool:
+    try:
+        return httpx.get(f"{node.address}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _define(node: DemoNode, peer: DemoNode, secret: str) -> None:
+    with node.engine.begin() as c:
+        broker.create_message_type(c, LINE, "json")
+        broker.create_message_type(c, CONFIRMED, "empty")
+        broker.create_contract(c, CONTRACT, {LINE: "initiator", CONFIRMED: "target"})
+        broker.create_queue(c, "shop_queue")
+        broker.create_queue(c, "warehouse_queue")
+        broker.create_service(c, node.service("shop"), "shop_queue")
+        broker.create_service(c, node.service("warehouse"), "warehouse_queue", [CONTRACT])
+        for role in ("shop", "warehouse"):
+            broker.create_route(c, peer.service(role), peer.address, peer.instance, secret)
+        c.execute(text("CREATE TABLE order_lines (conversation_id uuid, message_sequence_number bigint, line int)"))
+
+
+def _warehouse(connection, batch) -> None:
+    """Records each order line in the transaction that consumes it; confirms and ends on the last."""
     for message in batch:
-        if message.message_type == "order.line":
+        if message.message_type == LINE:
             connection.execute(text("INSERT INTO order_lines VALUES (:conversation, :number, :line)"),
                                {"conversation": message.conversation_id, "number": message.message_sequence_number,
                                 "line": message.json()["line"]})
             if message.json()["last"]:
-                broker.send(connection, message.conversation_handle, "order.confirmed")
+                broker.send(connection, message.conversation_handle, CONFIRMED)
                 broker.end_conversation(connection, message.conversation_handle)
 
 
-def run_demo(database_url: str, console: Console, *, conversations: int, messages: int, readers: int) -> bool:
-    engine = create_engine(database_url, pool_size=readers + 2)
-    with engine.begin() as c:
-        for _, define in CATALOG:
-            define(c)
-        c.execute(text("CREATE TABLE order_lines (conversation_id uuid, message_sequence_number bigint, line int)"))
-    console.print("Defined message types, a contract, two queues and two services.")
+def _shop(connection, batch) -> None:
+    for message in batch:
+        if message.message_type == "broker.end_dialog":
+            broker.end_conversation(connection, message.conversation_handle)
 
-    started = time.monotonic()
-    stop = threading.Event()
-    worker = threading.Thread(target=run_activation, args=(engine, "warehouse_queue", _warehouse, stop),
-                              kwargs={"max_readers": readers, "max_messages": 50, "wait_ms": 200})
-    worker.start()
-    confirmed = 0
+
+def _send_orders(a: DemoNode, b: DemoNode, conversations: int, messages: int, log: Path, console: Console) -> int:
+    """Alternates A→B and B→A conversations; kills A's relay at a third and restarts it at two thirds."""
+    kills = 0
     with Progress(console=console, transient=True) as progress:
-        sending = progress.add_task("shop sends orders", total=conversations)
-        confirming = progress.add_task("warehouse confirms", total=conversations)
-        for _ in range(conversations):
-            with engine.begin() as c:
-                handle = broker.begin_dialog(c, "//demo/shop", "//demo/warehouse", "orders")
+        sending = progress.add_task("sending orders in both directions", total=conversations)
+        for i in range(conversations):
+            if i == conversations // 3:
+                a.relay.send_signal(signal.SIGKILL)
+                a.relay.wait()
+                kills += 1
+                console.print("  killed node a's relay (SIGKILL)")
+            if i == 2 * conversations // 3:
+                waiting = a.scalar(WAITING_TO_TRANSMIT)
+                a.relay = _start(a, "relay", log=log)
+                console.print(f"  started node a's relay again, with {waiting} messages waiting for it")
+            sender, receiver = (a, b) if i % 2 == 0 else (b, a)
+            with sender.engine.begin() as c:
+                handle = broker.begin_dialog(c, sender.service("shop"), receiver.service("warehouse"), CONTRACT)
                 for line in range(1, messages + 1):
-                    broker.send(c, handle, "order.line", json.dumps({"line": line, "last": line == messages}))
+                    broker.send(c, handle, LINE, json.dumps({"line": line, "last": line == messages}))
             progress.advance(sending)
-        deadline = time.monotonic() + 120
-        while confirmed < conversations and time.monotonic() < deadline:
-            with engine.begin() as c:
-                replies = broker.receive(c, "shop_queue", 100, wait_ms=200)
-                for reply in replies:
-                    if reply.message_type == "broker.end_dialog":
-                        broker.end_conversation(c, reply.conversation_handle)
-                        confirmed += 1
-                        progress.advance(confirming)
-    stop.set()
-    worker.join()
-    elapsed = time.monotonic() - started
+    return kills
 
-    with engine.begin() as c:
-        stored, distinct, out_of_order = c.execute(text(
-            "SELECT count(*), count(DISTINCT (conversation_id, message_sequence_number)),"
-            " count(*) FILTER (WHERE line <> message_sequence_number) FROM order_lines")).one()
-        open_conversations = c.execute(text(
-            "SELECT count(*) FROM broker.conversation_endpoints WHERE state <> 'closed'")).scalar_one()
-        depth = c.execute(text("SELECT sum(depth) FROM broker.queue_status")).scalar_one()
-    engine.dispose()
 
-    sent = conversations * messages
-    checks = [
-        ("messages sent", sent, True),
-        ("stored by the warehouse", stored, stored == sent),
-        ("duplicates", stored - distinct, stored == distinct),
-        ("out of order", out_of_order, out_of_order == 0),
-        ("conversations confirmed and closed", confirmed, confirmed == conversations and open_conversations == 0),
-        ("messages left in queues", depth, depth == 0),
-    ]
-    table = Table(title=f"{conversations} conversations, {readers} readers, {elapsed:.1f} s "
-                        f"({sent / elapsed:,.0f} messages/s)")
-    table.add_column("check")
-    table.add_column("count", justify="right")
-    table.add_column("", justify="center")
-    for name, count, ok in checks:
-        table.add_row(name, f"{count:,}", "[green]ok[/green]" if ok else "[red]FAILED[/red]")
-    console.print(table)
-    passed = all(ok for _, _, ok in checks)
-    console.print("Every message arrived exactly once, in order." if passed else "[red]A guarantee failed.[/red]")
-    console.print("Next: `broker psql` opens the broker's own database; README.md shows a session.")
+def _ingest(nodes: list[DemoNode], lake: Path, console: Console) -> dict[str, int]:
+    from spark_ingest.jdbc import spark_session
+    from spark_ingest.job import ingest
+
+    console.print("Spark ingests both warehouse queues (local[2])…")
+    spark = spark_session("local[2]")
+    try:
+        rows = {}
+        for node in nodes:
+            summary = ingest(spark, node.database_url, "warehouse_queue", str(lake / node.name))
+            frame = spark.read.parquet(str(lake / node.name))
+            distinct = frame.select("conversation_id", "message_sequence_number").distinct().count()
+            rows[node.name] = summary.rows if distinct == summary.rows else -1
+            console.print(f"  node {node.name}: {summary.rows:,} rows in {summary.seconds:.1f} s")
+        return rows
+    finally:
+        spark.stop()
+
+
+def _consume(nodes: list[DemoNode], conversations: int, console: Console) -> None:
+    stop = threading.Event()
+    workers = [threading.Thread(target=run_activation, args=(node.engine, queue, handler, stop),
+                                kwargs={"max_readers": 2, "max_messages": 50, "wait_ms": 200})
+               for node in nodes for queue, handler in (("warehouse_queue", _warehouse), ("shop_queue", _shop))]
+    for worker in workers:
+        worker.start()
+    try:
+        with Progress(console=console, transient=True) as progress:
+            closing = progress.add_task("consuming in order, confirming and ending", total=2 * conversations)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                open_endpoints = sum(node.scalar(OPEN_ENDPOINTS) for node in nodes)
+                progress.update(closing, completed=2 * conversations - open_endpoints)
+                if open_endpoints == 0:
+                    break
+                time.sleep(0.2)
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+
+
+def run_demo(folder: Path, console: Console, *, conversations: int, messages: int) -> bool:
+    log = folder / "nodes.log"
+    with ExitStack() as cleanup:
+        nodes = []
+        for name in ("a", "b"):
+            server = cleanup.enter_context(EmbeddedPostgres(folder / name))
+            migrate.upgrade(server.url())
+            engine = create_engine(server.url(), pool_size=6)
+            cleanup.callback(engine.dispose)
+            with engine.connect() as c:
+                instance = str(c.execute(text("SELECT broker_instance FROM broker.node")).scalar_one())
+            nodes.append(DemoNode(name, server.url(), _free_port(), engine, instance))
+        a, b = nodes
+        secret = secrets.token_urlsafe(24)
+        _define(a, b, secret)
+        _define(b, a, secret)
+        for node in nodes:
+            node.api = _start(node, "serve", "--no-relay", "--no-migrate", "--port", str(node.port), log=log)
+            node.relay = _start(node, "relay", log=log)
+            cleanup.callback(_stop_processes, node)
+        for node in nodes:
+            _wait_for(lambda n=node: _answers(n), 30, f"node {node.name} to answer")
+        console.print(f"Two nodes on embedded PostgreSQL: a at {a.address}, b at {b.address}; each defines a "
+                      "contract, two queues and two services, and routes to the other.")
+
+        started = time.monotonic()
+        kills = _send_orders(a, b, conversations, messages, log, console)
+        _wait_for(lambda: all(node.scalar(WAITING_TO_TRANSMIT) == 0 for node in nodes), 120,
+                  "the transmission queues to drain")
+        relayed_s = time.monotonic() - started
+        ingested = _ingest(nodes, folder / "lake", console)
+        _consume(nodes, conversations, console)
+
+        arriving = {"a": conversations // 2 * messages, "b": (conversations + 1) // 2 * messages}
+        stored, open_endpoints = {}, {}
+        for node in nodes:
+            with node.engine.connect() as c:
+                stored[node.name] = c.execute(COUNT_STORED).one()
+                open_endpoints[node.name] = c.execute(OPEN_ENDPOINTS).scalar_one()
+        rows = [
+            ("order lines sent", arriving, arriving),
+            ("stored by the warehouse", {n: stored[n][0] for n in "ab"}, arriving),
+            ("duplicates", {n: stored[n][0] - stored[n][1] for n in "ab"}, {"a": 0, "b": 0}),
+            ("out of order", {n: stored[n][2] for n in "ab"}, {"a": 0, "b": 0}),
+            ("ingested by Spark, once each", ingested, arriving),
+            ("endpoints still open", open_endpoints, {"a": 0, "b": 0}),
+        ]
+        table = Table(title=f"{conversations} conversations of {messages} order lines, relayed in {relayed_s:.1f} s")
+        table.add_column("check")
+        for column in ("to node a", "to node b", ""):
+            table.add_column(column, justify="right")
+        checks = [values == expected for _, values, expected in rows]
+        for (label, values, _), ok in zip(rows, checks):
+            table.add_row(label, f"{values['a']:,}", f"{values['b']:,}",
+                          "[green]ok[/green]" if ok else "[red]FAILED[/red]")
+        console.print(table)
+        console.print(f"Node a's relay was killed {kills} time and restarted; nothing was lost or repeated.")
+    passed = all(checks)
+    console.print("Every message arrived exactly once, in order, and Spark ingested each once."
+                  if passed else "[red]A guarantee failed.[/red]")
+    console.print("Next: `broker status` and `broker diagnose` on a node of your own (`broker serve`), "
+                  "and docs/architecture.md for the message path.")
     return passed

@@ -40,7 +40,8 @@ def send_conversations(engine, conversations: int, messages: int, tag: str = "")
                 if j % 3 == 2:
                     broker.send(c, handle, "order.note", bytes([0xff, 0xfe, i % 256, j % 256]) if i % 2 else None)
                 else:
-                    broker.send(c, handle, "order.submit", f'{{"order": "{tag}{i}", "line": {j}, "pad": "{"x" * 900}"}}')
+                    order = f'{{"order": "{tag}{i}", "line": {j}, "pad": "{"x" * 900}"}}'
+                    broker.send(c, handle, "order.submit", order)
 
 
 def queue_content(engine) -> list[tuple]:

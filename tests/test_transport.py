@@ -14,6 +14,7 @@ import broker
 from broker import signing
 from tests.nodes import SECRET, two_nodes, wait_for
 
+
 @pytest.fixture
 def tls_nodes(admin_url, template_database, tmp_path):
     """Two HTTPS nodes; a trusts the CA that signed b's certificate, b does not trust a's."""
