@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException
 from api.arrivals import Arrivals
 from api.limits import BodySizeLimit
 from api.problems import Problem, from_broker_error, from_problem, problem
-from api.routes import catalog, conversations, health, queues, transport
+from api.routes import catalog, console, conversations, health, queues, transport
 from broker import migrate
 from broker.errors import BrokerError
 from broker.metrics import DatabaseCollector
@@ -48,7 +48,8 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
     with app.state.engine.connect() as connection:
         app.state.broker_instance = str(connection.execute(
             text("SELECT broker_instance FROM broker.node")).scalar_one())
-    for router in (conversations.router, queues.router, catalog.router, health.router, transport.router):
+    for router in (conversations.router, queues.router, catalog.router, health.router, transport.router,
+                   console.router):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, limit_for=lambda path: max_batch_bytes if path.startswith("/transport/")
                        else max_request_bytes)

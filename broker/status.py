@@ -6,7 +6,7 @@ from typing import Any
 from sqlalchemy import Connection, text
 
 QUEUES = text(
-    "SELECT queue_name, status, depth, extract(epoch FROM oldest_message_age) AS oldest_message_age_s, readers,"
+    "SELECT queue_name, status, depth, extract(epoch FROM oldest_message_age)::float8 AS oldest_message_age_s, readers,"
     " dead_letters, retention, poison_threshold"
     " FROM broker.queue_status ORDER BY queue_name")
 CONVERSATIONS = text(
@@ -17,7 +17,7 @@ CONVERSATIONS = text(
 TRANSMISSION = text(
     "SELECT coalesce(r.address, '(no route)') AS destination, count(*) AS messages,"
     " count(DISTINCT t.conversation_handle) AS conversations,"
-    " extract(epoch FROM now() - min(t.enqueued_at)) AS oldest_message_age_s, max(t.attempts) AS attempts,"
+    " extract(epoch FROM now() - min(t.enqueued_at))::float8 AS oldest_message_age_s, max(t.attempts) AS attempts,"
     " min(t.next_attempt_at) AS next_attempt_at,"
     " (array_agg(t.transmission_status ORDER BY t.enqueued_at))[1] AS status"
     " FROM broker.transmission_queue t LEFT JOIN broker.routes r ON r.service_name = t.to_service"

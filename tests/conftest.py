@@ -16,7 +16,7 @@ TEMPLATE = "broker_test_template"
 
 
 def pytest_addoption(parser):
-    parser.addoption("--skip-slow", action="store_true", help="skip the slow fault-injection and Spark tests")
+    parser.addoption("--skip-slow", action="store_true", help="skip the slow fault-injection, Spark and browser tests")
 
 
 def pytest_collection_modifyitems(config, items):

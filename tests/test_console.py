@@ -1,0 +1,69 @@
+"""The web console in a real headless Chromium (Debian's), driven by Playwright; the test takes a screenshot."""
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+import broker
+from tests.factories import WAREHOUSE_QUEUE, begin
+from tests.rest import ApiServer, new_key
+
+pytestmark = pytest.mark.slow  # needs Debian's chromium: skipped with --skip-slow
+
+CHROMIUM = Path("/usr/bin/chromium")
+# As the machine's own probe starts it: no sandbox as root, and no calls home on a closed network.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture
+def browser():
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        yield chromium
+        chromium.close()
+
+
+def test_the_console_shows_queues_conversations_the_transmission_queue_and_dead_letters(
+        browser, engine, orders, database_url, tmp_path):
+    with engine.begin() as c:
+        broker.create_route(c, "far_away", "http://127.0.0.1:9", uuid4(), "a-secret-of-16-chars")
+        broker.send(c, broker.begin_dialog(c, "shop", "far_away", "orders"), "order.submit", '{"sku": 1}')
+        broker.alter_queue(c, WAREHOUSE_QUEUE, poison_threshold=1)
+        poisoned = begin(c)
+        broker.send(c, poisoned, "order.note", "cannot be processed")
+    with engine.begin() as c:
+        [message] = broker.receive(c, WAREHOUSE_QUEUE, 1)
+        c.rollback()
+    with engine.begin() as c:
+        assert broker.report_processing_failure(c, WAREHOUSE_QUEUE, message.conversation_group_id, "no such sku")
+    admin = new_key(engine, "admin")
+
+    with ApiServer(database_url) as api:
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(f"{api.url}/console")
+        page.fill("#key", "bk_000000000000_not-a-key")
+        page.click("button[type=submit]")
+        expect(page.locator("#message")).to_contain_text("API key")
+        expect(page.locator("#view")).to_be_hidden()
+
+        page.fill("#key", admin)
+        page.click("button[type=submit]")
+        expect(page.locator("#queues")).to_contain_text("warehouse_queue")
+        expect(page.locator("#transmission")).to_contain_text("http://127.0.0.1:9")
+        expect(page.locator("#transmission")).to_contain_text("waiting for its first transmission")
+        expect(page.locator("#dead")).to_contain_text("no such sku")
+        expect(page.locator("#conversations")).to_contain_text("conversing")
+
+        page.select_option("#state", "error")
+        expect(page.locator("#conversations tbody tr")).to_have_count(2)  # both sides of the quarantined one
+        expect(page.locator("#conversations")).not_to_contain_text("conversing")
+        page.wait_for_timeout(4500)  # two more refreshes: the chart has points
+        assert page.locator("#chart polyline").count() == 2
+        assert errors == []  # no script error on the page
+        screenshot = tmp_path / "console.png"
+        page.screenshot(path=str(screenshot), full_page=True)
+    assert screenshot.stat().st_size > 10_000
