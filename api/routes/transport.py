@@ -56,8 +56,10 @@ class TransportBatch(BaseModel):
     conversations: list[TransportConversation]
 
 
-async def _signed_by_peer(request: Request, body: bytes) -> tuple[str, str] | Response:
-    """The peer's instance id and the secret its signature is good under, or the 401 to answer."""
+async def _signed_request(request: Request, model: type[BaseModel], malformed: str):
+    """(the peer's instance id, the secret its signature is good under, the parsed body), or the
+    401 or 400 to answer.  `malformed` names the problem type for a body that does not parse."""
+    body = await request.body()  # at most max_batch_bytes: see api.limits
     try:
         instance = str(UUID(request.headers.get(signing.INSTANCE_HEADER, "")))
     except ValueError:
@@ -73,7 +75,10 @@ async def _signed_by_peer(request: Request, body: bytes) -> tuple[str, str] | Re
                                          request.headers.get(signing.SIGNATURE_HEADER), body)
     except signing.BadSignature as refusal:
         return problem(401, "bad-signature", "the request is not signed by a known peer", str(refusal))
-    return instance, secret
+    try:
+        return instance, secret, model.model_validate_json(body)
+    except ValidationError as error:
+        return problem(400, malformed, "the body is not what this endpoint takes", str(error.errors()[:3]))
 
 
 def _signed_answer(request: Request, secret: str, answer: bytes) -> Response:
@@ -83,15 +88,10 @@ def _signed_answer(request: Request, secret: str, answer: bytes) -> Response:
 
 @router.post("/transport/v1/batches", include_in_schema=False)
 async def receive_batch(request: Request) -> Response:
-    body = await request.body()  # at most max_batch_bytes: see api.limits
-    peer = await _signed_by_peer(request, body)
-    if isinstance(peer, Response):
-        return peer
-    instance, secret = peer
-    try:
-        batch = TransportBatch.model_validate_json(body)
-    except ValidationError as error:
-        return problem(400, "malformed-batch", "the batch is not a valid transport batch", str(error.errors()[:3]))
+    signed = await _signed_request(request, TransportBatch, "malformed-batch")
+    if isinstance(signed, Response):
+        return signed
+    instance, secret, batch = signed
 
     def accept() -> bytes:
         with request.app.state.engine.begin() as connection:
@@ -109,16 +109,10 @@ class DescribeRequest(BaseModel):
 
 @router.post("/transport/v1/describe", include_in_schema=False)
 async def describe(request: Request) -> Response:
-    body = await request.body()
-    peer = await _signed_by_peer(request, body)
-    if isinstance(peer, Response):
-        return peer
-    instance, secret = peer
-    try:
-        asked = DescribeRequest.model_validate_json(body)
-    except ValidationError as error:
-        return problem(400, "malformed-request", "the request is not a valid describe request",
-                       str(error.errors()[:3]))
+    signed = await _signed_request(request, DescribeRequest, "malformed-request")
+    if isinstance(signed, Response):
+        return signed
+    instance, secret, asked = signed
 
     def describe_catalog() -> bytes:
         with request.app.state.engine.connect() as connection:
