@@ -1,6 +1,5 @@
 """What a node is doing, read from its catalog: the data behind `broker status` and the console."""
 from datetime import datetime
-from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Connection, text
@@ -47,19 +46,14 @@ def node_status(connection: Connection, dead_letters: int = 20) -> dict[str, lis
 
 
 def json_default(value: Any) -> Any:
-    """For json.dumps: datetimes as ISO 8601, decimals as numbers, UUIDs as strings."""
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, Decimal):
-        return float(value)
-    return str(value)
+    """For json.dumps: datetimes as ISO 8601, UUIDs as strings (ages are float8 already)."""
+    return value.isoformat() if isinstance(value, datetime) else str(value)
 
 
-def age(seconds: float | Decimal | None) -> str:
+def age(seconds: float | None) -> str:
     """A duration in words a person reads at a glance: 0.4 s, 12 s, 5 min, 3.5 h, 2 d."""
     if seconds is None:
         return ""
-    seconds = float(seconds)
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= 2 * size:
             return f"{seconds / size:.1f} {unit}".replace(".0 ", " ")
