@@ -36,7 +36,11 @@ DESTINATIONS = text(
     " greatest(extract(epoch FROM next_attempt_at - now()), 0) AS due_in_s"
     " FROM broker.transport_destinations ORDER BY next_attempt_at")
 OUR_INSTANCE = text("SELECT broker_instance FROM broker.node")
-NEXT_BATCH = text("SELECT broker.transport_batch(:address, :max_messages)")
+# The batch as JSON text, sent as it is, and how many messages it carries.
+NEXT_BATCH = text(
+    "SELECT batch::text AS body, (SELECT count(*) FROM json_array_elements(batch -> 'conversations') c,"
+    " json_array_elements(c -> 'messages')) AS messages"
+    " FROM broker.transport_batch(:address, :max_messages) batch")
 APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb))")
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :reason, :retry_after)")
 LOCK_DESTINATION = text("SELECT pg_try_advisory_lock(1651663724, hashtext(:address))")
@@ -63,6 +67,7 @@ class Relay:
         self.failures_in_a_row: dict[str, int] = {}
         self.delivered = 0
         self.forget_at = 0.0
+        self.instance: str | None = None
 
     def run(self, stop: threading.Event) -> None:
         """Relays until stop is set, woken by notifications of new messages or by a due retry.
@@ -106,13 +111,13 @@ class Relay:
                 connection.execute(FORGET_CLOSED_ENDPOINTS)
             self.forget_at = time.monotonic() + FORGET_EVERY_S
         with self.engine.connect() as connection:
-            instance = str(connection.execute(OUR_INSTANCE).scalar_one())
+            self.instance = self.instance or str(connection.execute(OUR_INSTANCE).scalar_one())
             destinations = connection.execute(DESTINATIONS).all()
         sent_something = False
         idle_s = IDLE_WAKE_S
         for destination in destinations:
             if destination.due:
-                sent_something |= self._relay_to(destination, instance)
+                sent_something |= self._relay_to(destination, self.instance)
             else:
                 idle_s = min(idle_s, float(destination.due_in_s))
         return 0.0 if sent_something else idle_s
@@ -127,13 +132,13 @@ class Relay:
                 while True:
                     with self.engine.connect() as connection:
                         batch = connection.execute(NEXT_BATCH, {"address": address,
-                                                                "max_messages": self.batch_size}).scalar_one()
-                    if not batch["conversations"]:
+                                                                "max_messages": self.batch_size}).one()
+                    if not batch.messages:
                         return True
                     started = time.monotonic()
-                    RELAY_SENT.labels(address).inc(sum(len(c["messages"]) for c in batch["conversations"]))
+                    RELAY_SENT.labels(address).inc(batch.messages)
                     try:
-                        answer = self._post(destination, instance, json.dumps(batch).encode())
+                        answer = self._post(destination, instance, batch.body.encode())
                     except TransportFailure as failure:
                         RELAY_FAILURES.labels(address).inc()
                         self._record_failure(address, str(failure))

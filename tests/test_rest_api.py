@@ -370,13 +370,13 @@ def test_catalog_and_status_routes(admin, engine):
 def test_readiness_follows_the_database_and_the_schema(api, engine):
     with api.client() as anyone:
         assert anyone.get("/healthz").status_code == 200
-        assert anyone.get("/readyz").json() == {"status": "ready", "schema_revision": "0005"}
+        assert anyone.get("/readyz").json() == {"status": "ready", "schema_revision": "0006"}
         with engine.begin() as connection:
-            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = '0004'"))
+            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = '0005'"))
         problem = _is_problem(anyone.get("/readyz"), 503, "not-ready")
         assert "broker migrate" in problem["detail"]
         with engine.begin() as connection:
-            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = '0005'"))
+            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = '0006'"))
         assert anyone.get("/readyz").status_code == 200
 
 

@@ -1,0 +1,187 @@
+-- Removes what revision 0006 added and puts back the functions of revisions 0001 and 0002 it replaced.
+DROP INDEX broker.queue_messages_waiting;
+CREATE INDEX transmission_queue_due ON broker.transmission_queue (next_attempt_at);
+ALTER TABLE broker.endpoints RESET (fillfactor);
+ALTER TABLE broker.queue_messages RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
+                                         autovacuum_vacuum_insert_scale_factor);
+ALTER TABLE broker.transmission_queue RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
+                                             autovacuum_vacuum_insert_scale_factor);
+
+CREATE OR REPLACE FUNCTION broker.send(conversation_handle uuid, message_type text, body bytea DEFAULT NULL) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    sender broker.endpoints := broker._lock_endpoint(conversation_handle);
+    mt broker.message_types := broker._message_type(message_type);
+    far_queue broker.queues;
+BEGIN
+    IF sender.state <> 'conversing' THEN
+        PERFORM broker._raise('BR020', format('cannot send on conversation %s: it is %s',
+            conversation_handle, replace(sender.state, '_', ' ')));
+    END IF;
+    IF mt.name LIKE 'broker.%' THEN
+        PERFORM broker._raise('BR010', format('message type %L is sent by the broker itself', message_type),
+            'use broker.end_conversation to end a conversation or report an error');
+    END IF;
+    PERFORM broker._check_message(sender.contract_id, sender.is_initiator, mt, body);
+    IF sender.far_is_local THEN
+        SELECT q.* INTO far_queue FROM broker.queues q JOIN broker.endpoints e USING (queue_id)
+        WHERE e.conversation_id = sender.conversation_id AND e.is_initiator <> sender.is_initiator;
+        IF NOT far_queue.is_enabled THEN
+            PERFORM broker._raise('BR030', format('queue %L of service %L is disabled', far_queue.name, sender.far_service));
+        END IF;
+    END IF;
+    RETURN broker._transmit(sender, mt, body);
+END $$;
+
+CREATE OR REPLACE FUNCTION broker._accept_messages(e broker.endpoints, messages jsonb) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    message jsonb;
+    sequence_number bigint;
+    mt broker.message_types;
+    body bytea;
+BEGIN
+    IF NOT (SELECT is_enabled FROM broker.queues WHERE queue_id = e.queue_id) THEN
+        PERFORM broker._raise('BR030', 'the target queue is disabled');
+    END IF;
+    FOR message IN SELECT value FROM jsonb_array_elements(messages) ORDER BY (value ->> 'sequence_number')::bigint LOOP
+        sequence_number := (message ->> 'sequence_number')::bigint;
+        CONTINUE WHEN sequence_number <= e.receive_sequence;
+        EXIT WHEN sequence_number > e.receive_sequence + 1;
+        mt := broker._message_type(message ->> 'message_type');
+        body := decode(message ->> 'body', 'base64');
+        IF mt.name NOT LIKE 'broker.%' THEN
+            PERFORM broker._check_message(e.contract_id, NOT e.is_initiator, mt, body);
+        END IF;
+        PERFORM broker._deliver(e, sequence_number, mt, body);
+        SELECT * INTO e FROM broker.endpoints WHERE conversation_handle = e.conversation_handle;
+    END LOOP;
+    RETURN e.receive_sequence;
+END $$;
+
+CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    result jsonb;
+    e broker.endpoints;
+    delivered bigint := 0;
+    removed bigint;
+BEGIN
+    FOR result IN SELECT value FROM jsonb_array_elements(answer -> 'results') LOOP
+        SELECT * INTO e FROM broker.endpoints
+        WHERE conversation_id = (result ->> 'conversation_id')::uuid
+          AND is_initiator = (result ->> 'sender_is_initiator')::boolean
+          AND NOT far_is_local;
+        CONTINUE WHEN NOT FOUND;
+        DELETE FROM broker.transmission_queue
+        WHERE conversation_handle = e.conversation_handle
+          AND message_sequence_number <= (result ->> 'acknowledged')::bigint;
+        GET DIAGNOSTICS removed = ROW_COUNT;
+        delivered := delivered + removed;
+        IF result ? 'refused' THEN
+            PERFORM broker._refused_by_far_side(broker._lock_endpoint(e.conversation_handle),
+                                                result -> 'refused' ->> 'reason');
+        ELSIF result ? 'waiting' THEN
+            UPDATE broker.transmission_queue
+            SET transmission_status = 'the far node holds it back: ' || (result ->> 'waiting'),
+                attempts = attempts + 1, next_attempt_at = now() + interval '5 seconds'
+            WHERE conversation_handle = e.conversation_handle;
+        ELSE  -- the far node answered for it: earlier failures no longer apply
+            UPDATE broker.transmission_queue
+            SET attempts = 0, transmission_status = 'sent; waiting for the numbers before it to be acknowledged'
+            WHERE conversation_handle = e.conversation_handle AND attempts > 0;
+        END IF;
+    END LOOP;
+    RETURN delivered;
+END $$;
+
+CREATE OR REPLACE FUNCTION broker.accept_transport_batch(from_instance uuid, batch jsonb) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    results jsonb := '[]';
+    header jsonb;
+BEGIN
+    IF jsonb_typeof(batch -> 'conversations') IS DISTINCT FROM 'array' THEN
+        PERFORM broker._raise('BR050', 'a transport batch is {"conversations": [...]}');
+    END IF;
+    FOR header IN SELECT value FROM jsonb_array_elements(batch -> 'conversations') LOOP
+        results := results || broker._accept_conversation(from_instance, header);
+    END LOOP;
+    RETURN jsonb_build_object('broker_instance', (SELECT broker_instance FROM broker.node), 'results', results);
+END $$;
+
+DROP FUNCTION broker.transport_batch(text, integer);
+CREATE FUNCTION broker.transport_batch(destination text, max_messages integer) RETURNS jsonb
+LANGUAGE sql STABLE AS $$
+    WITH due AS (
+        SELECT t.* FROM broker.transmission_queue t
+        JOIN broker.routes r ON r.service_name = t.to_service
+        WHERE r.address = destination AND t.next_attempt_at <= now()
+        ORDER BY t.conversation_handle, t.message_sequence_number
+        LIMIT max_messages
+    ), conversations AS (
+        SELECT jsonb_build_object(
+                   'conversation_id', e.conversation_id,
+                   'sender_is_initiator', e.is_initiator,
+                   'from_service', s.name,
+                   'to_service', e.far_service,
+                   'contract', c.name,
+                   'expires_at', e.expires_at,
+                   'messages', jsonb_agg(jsonb_build_object(
+                       'sequence_number', due.message_sequence_number,
+                       'message_type', mt.name,
+                       'body', encode(due.body, 'base64')) ORDER BY due.message_sequence_number)) AS conversation
+        FROM due
+        JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle
+        JOIN broker.services s ON s.service_id = e.service_id
+        JOIN broker.contracts c ON c.contract_id = e.contract_id
+        JOIN broker.message_types mt ON mt.message_type_id = due.message_type_id
+        GROUP BY e.conversation_handle, e.conversation_id, e.is_initiator, s.name, e.far_service, c.name, e.expires_at
+    )
+    SELECT jsonb_build_object('conversations', coalesce(jsonb_agg(conversation), '[]')) FROM conversations
+$$;
+
+CREATE OR REPLACE FUNCTION broker.receive(queue text, max_messages integer DEFAULT 1, conversation_group uuid DEFAULT NULL,
+                               wait_ms integer DEFAULT 0)
+RETURNS SETOF broker.received_message
+LANGUAGE plpgsql AS $$
+DECLARE
+    q broker.queues := broker._enabled_queue(queue);
+    locked_group uuid;
+BEGIN
+    IF max_messages IS NULL OR max_messages < 1 THEN
+        PERFORM broker._raise('BR050', format('max_messages must be at least 1, got %s', max_messages));
+    END IF;
+    locked_group := broker._wait_for_group(q, conversation_group, broker._require('wait_ms', wait_ms));
+    IF locked_group IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH picked AS (
+        SELECT m.queue_position FROM broker.queue_messages m
+        WHERE m.conversation_group_id = locked_group AND m.queue_id = q.queue_id AND m.received_at IS NULL
+        ORDER BY m.conversation_handle, m.message_sequence_number
+        LIMIT max_messages
+    ), consumed AS (
+        DELETE FROM broker.queue_messages m USING picked
+        WHERE NOT q.retention AND m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+    ), retained AS (
+        UPDATE broker.queue_messages m SET received_at = now() FROM picked
+        WHERE q.retention AND m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+    )
+    SELECT m.queue_position, m.conversation_group_id, m.conversation_handle, m.conversation_id,
+           m.message_sequence_number, s.name, c.name, mt.name, m.body, m.enqueued_at
+    FROM picked
+    JOIN broker.queue_messages m ON m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+    JOIN broker.endpoints e ON e.conversation_handle = m.conversation_handle
+    JOIN broker.services s ON s.service_id = e.service_id
+    JOIN broker.contracts c ON c.contract_id = e.contract_id
+    JOIN broker.message_types mt ON mt.message_type_id = m.message_type_id
+    ORDER BY m.conversation_handle, m.message_sequence_number;
+END $$;
+
+DROP FUNCTION broker._accept_in_bulk(uuid, jsonb);
+DROP TYPE broker._bulk_message;
+DROP TYPE broker._bulk_conversation;
+DROP VIEW broker._plain_message_types;
+DROP FUNCTION broker._next_queue_positions(integer);
