@@ -297,22 +297,28 @@ def ingest(
 
 @app.command()
 def bench(
-    output: Path = typer.Option(Path("bench-results"), help="folder for results.json and results.md"),
-    quick: bool = typer.Option(False, help="a smoke run: fewer messages"),
+    output: Path = typer.Option(Path("bench-results"), help="folder for results.json, results.md and the charts"),
+    quick: bool = typer.Option(False, help="a smoke run with less traffic (under two minutes)"),
     repetitions: int = typer.Option(3, min=1, max=50, help="measurements of each scenario and baseline"),
+    soak: float = typer.Option(None, min=1, max=24 * 60, metavar="MINUTES",
+                               help="instead: steady cross-node traffic for MINUTES with a long transaction held "
+                                    "open through the middle third; throughput, dead tuples and memory over time"),
 ) -> None:
-    """Measure each scenario next to its baseline in the same run (throwaway database, durable settings).
+    """Measure each scenario next to its baseline in the same run (throwaway databases, durable settings):
+    local send and receive, cross-node transfer and latency, REST, RabbitMQ when one answers on
+    127.0.0.1:5672, Spark ingest, and throughput at scale.
 
-    With BROKER_DATABASE_URL set, a database broker_bench_* is created on that server and dropped after;
+    With BROKER_DATABASE_URL set, databases broker_bench_* are created on that server and dropped after;
     otherwise an embedded PostgreSQL is started in a temporary folder.
     """
     from broker.bench.results import markdown_table
     from broker.bench.runner import run_bench
 
-    results = run_bench(output, quick=quick, repetitions=repetitions, server_url=Settings().database_url,
+    results = run_bench(output, quick=quick, repetitions=repetitions, soak_minutes=soak,
+                        server_url=Settings().database_url,
                         report=lambda line: console.print(line, style="dim", highlight=False))
     print(markdown_table(results))
-    console.print(f"written to {output}/results.json and results.md")
+    console.print(f"written to {output}/: results.json, results.md and PNG charts")
 
 
 @app.command()

@@ -1,67 +1,90 @@
-"""Runs the scenarios on a throwaway database and writes the results."""
+"""Runs the scenarios on throwaway databases and writes the results and charts."""
 import os
 import platform
-import tempfile
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psycopg2
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
-from broker import migrate
-from broker.bench import spark_ingest
+from broker.bench import cross_node, local, rabbitmq, rest, soak, spark_ingest
+from broker.bench.charts import write_charts
+from broker.bench.databases import BenchServer, bench_server
+from broker.bench.nodes import TwoNodes
 from broker.bench.results import ScenarioResult, write_results
-from broker.embedded import EmbeddedPostgres
+
+SETTINGS = "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', 'server_version')"
 
 
-@contextmanager
-def throwaway_database(server_url: str | None) -> Iterator[str]:
-    """A fresh, migrated database: on the given server (created and dropped), else on an embedded one."""
-    if server_url is None:
-        with tempfile.TemporaryDirectory(prefix="broker-bench-") as folder, EmbeddedPostgres(Path(folder)) as server:
-            migrate.upgrade(server.url())
-            yield server.url()
-        return
-    name = f"broker_bench_{uuid.uuid4().hex[:12]}"
-    admin = psycopg2.connect(server_url)
-    admin.autocommit = True
-    try:
-        with admin.cursor() as cursor:
-            cursor.execute(f"CREATE DATABASE {name}")
-        url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
-        migrate.upgrade(url)
-        yield url
-    finally:
-        with admin.cursor() as cursor:
-            cursor.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        admin.close()
+@dataclass(frozen=True)
+class Sizes:
+    """How much each scenario moves: the full run, or a smoke run with --quick."""
+
+    send: int
+    receive: int
+    transfer: int
+    latency_s: float
+    rest_per_client: int
+    rabbitmq: int
+    spark: int
+    scale_points: tuple[int, ...]
+    scale_messages: int
+    backlog: int
 
 
-def _environment(engine) -> dict:
+FULL = Sizes(send=50_000, receive=20_000, transfer=50_000, latency_s=15, rest_per_client=500, rabbitmq=50_000,
+             spark=200_000, scale_points=(1, 100, 10_000, 100_000), scale_messages=50_000, backlog=1_000_000)
+QUICK = Sizes(send=5_000, receive=3_000, transfer=5_000, latency_s=3, rest_per_client=50, rabbitmq=5_000,
+              spark=20_000, scale_points=(1, 100, 1_000, 10_000), scale_messages=5_000, backlog=50_000)
+
+
+def _environment(database_url: str) -> dict:
     import pyspark
 
-    with engine.connect() as connection:
-        settings = dict(connection.execute(text(
-            "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', 'server_version')")
-        ).all())
+    with psycopg2.connect(database_url) as connection, connection.cursor() as cursor:
+        cursor.execute(SETTINGS)
+        settings = dict(cursor.fetchall())
+    connection.close()
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "pyspark": pyspark.__version__,
             "postgresql": settings["server_version"], "fsync": settings["fsync"],
             "synchronous_commit": settings["synchronous_commit"]}
 
 
-def run_bench(output: Path, *, quick: bool, repetitions: int, server_url: str | None,
+def _scenarios(server: BenchServer, output: Path, sizes: Sizes, repetitions: int,
+               report: Callable[[str], None]) -> list[ScenarioResult]:
+    log = output / "nodes.log"
+    results = [local.send(server, sizes.send, repetitions, report)]
+    for readers in (1, 4):
+        results.append(local.receive(server, sizes.receive, repetitions, readers, report))
+    with TwoNodes(server, log) as nodes:
+        results.append(cross_node.transfer(nodes, 1_000, sizes.transfer, repetitions, report))
+        transfer = results[-1].measured.median
+        results.append(cross_node.latency(nodes, 1_000, sizes.latency_s, report))
+    results.append(rest.run(server, log, 4, sizes.rest_per_client, report))
+    peer = rabbitmq.run(sizes.rabbitmq, repetitions, report)
+    if peer.measured:
+        peer = replace(peer, met=transfer >= peer.measured.median,
+                       details={**peer.details, "cross_node_transfer": transfer})
+    results.append(peer)
+    spark_database = server.database("ingest")
+    results.append(spark_ingest.run(spark_database, sizes.spark, repetitions, report))
+    with TwoNodes(server, log) as nodes:
+        results.append(cross_node.scale(nodes, list(sizes.scale_points), sizes.scale_messages, sizes.backlog, report))
+    return results
+
+
+def run_bench(output: Path, *, quick: bool, repetitions: int, soak_minutes: float | None, server_url: str | None,
               report: Callable[[str], None]) -> list[ScenarioResult]:
-    with throwaway_database(server_url) as database_url:
-        engine = create_engine(database_url)
-        try:
-            environment = _environment(engine)
-            if environment["fsync"] != "on" or environment["synchronous_commit"] != "on":
-                raise RuntimeError(f"the benchmark needs durable settings, the server has {environment}")
-            results = [spark_ingest.run(engine, database_url, 20_000 if quick else 200_000, repetitions, report)]
-        finally:
-            engine.dispose()
+    output.mkdir(parents=True, exist_ok=True)
+    with bench_server(server_url) as server:
+        environment = _environment(server.server_url)
+        if environment["fsync"] != "on" or environment["synchronous_commit"] != "on":
+            raise RuntimeError(f"the benchmark needs durable settings, the server has {environment}")
+        if soak_minutes:
+            with TwoNodes(server, output / "nodes.log") as nodes:
+                results = [soak.run(nodes, soak_minutes, 1_000, report)]
+        else:
+            results = _scenarios(server, output, QUICK if quick else FULL, repetitions, report)
     write_results(results, output, environment)
+    write_charts(results, output)
     return results

@@ -5,9 +5,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, create_engine, text
 
-from broker.bench.results import Measurement, ScenarioResult
+from broker.bench.results import Measurement, ScenarioResult, ratio_met
 from spark_ingest.jdbc import jdbc_connection, spark_session
 from spark_ingest.job import ingest
 
@@ -44,8 +44,16 @@ def load(engine: Engine, messages: int, report: Callable[[str], None]) -> None:
             report(f"spark ingest: loading {messages:,} messages, {sent:,} sent")
 
 
-def run(engine: Engine, database_url: str, messages: int, repetitions: int,
-        report: Callable[[str], None]) -> ScenarioResult:
+def run(database_url: str, messages: int, repetitions: int, report: Callable[[str], None]) -> ScenarioResult:
+    engine = create_engine(database_url)
+    try:
+        return _measure(engine, database_url, messages, repetitions, report)
+    finally:
+        engine.dispose()
+
+
+def _measure(engine: Engine, database_url: str, messages: int, repetitions: int,
+             report: Callable[[str], None]) -> ScenarioResult:
     load(engine, messages, report)
     with engine.connect() as connection:
         low, high, count = connection.execute(text(QUEUE_BOUNDS), {"queue": QUEUE}).one()
@@ -86,7 +94,9 @@ def run(engine: Engine, database_url: str, messages: int, repetitions: int,
     finally:
         spark.stop()
         shutil.rmtree(folder, ignore_errors=True)
-    return ScenarioResult("Spark ingest", Measurement("broker ingest", "rows/s", ours),
-                          Measurement("spark.read.jdbc → Parquet", "rows/s", plain), target_ratio=0.8,
+    measured = Measurement("broker ingest", "rows/s", ours)
+    baseline = Measurement("spark.read.jdbc → Parquet", "rows/s", plain)
+    return ScenarioResult("Spark ingest", measured, baseline, target="≥ 0.8 × baseline",
+                          met=ratio_met(measured, baseline, 0.8),
                           details={"messages": count, "message_bytes": 1024, "master": "local[2]",
                                    "partitions": partitions})

@@ -1,0 +1,223 @@
+"""Cross-node scenarios: transfer throughput next to a bare relay, latency, and throughput at scale."""
+import io
+import select
+import statistics
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import psycopg2
+import psycopg2.extras
+
+from broker.bench import workload
+from broker.bench.nodes import TwoNodes
+from broker.bench.results import Measurement, ScenarioResult
+
+BARE_OUTBOX = ("CREATE TABLE IF NOT EXISTS bench_outbox (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL,"
+               " seq bigint NOT NULL, body bytea NOT NULL)")
+BARE_INBOX = ("CREATE TABLE IF NOT EXISTS bench_inbox (id bigint PRIMARY KEY, conversation_id uuid NOT NULL,"
+              " seq bigint NOT NULL, body bytea NOT NULL)")
+BARE_INSERT = "INSERT INTO bench_outbox (conversation_id, seq, body) VALUES %s"
+BARE_BATCH = "SELECT id, conversation_id, seq, body FROM bench_outbox ORDER BY id LIMIT 1000"
+BARE_DELETE = "DELETE FROM bench_outbox WHERE id <= %s"
+RECEIVE = "SELECT body FROM broker.receive('bench_dst', 100)"
+RECEIVE_TIMED = "SELECT body, extract(epoch FROM enqueued_at) FROM broker.receive('bench_dst', 100)"
+# This machine class commits about 2,500 single-row transactions a second to its disk: the
+# latency load comes in transactions of 10 (100 commits a second) so that commits do not queue.
+LATENCY_BATCH = 10
+# A backlog of waiting messages in B's destination queue, written straight into the table: a
+# consumer far behind, without spending minutes sending it.
+BACKLOG = """
+WITH dialog AS (SELECT conversation_group_id, conversation_handle, conversation_id, queue_id
+                FROM broker.endpoints LIMIT 1)
+INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
+                                   conversation_id, message_sequence_number, message_type_id, body)
+SELECT d.queue_id, broker._next_queue_position(), d.conversation_group_id, d.conversation_handle,
+       d.conversation_id, 1000000 + i,
+       (SELECT message_type_id FROM broker.message_types WHERE name = 'bench.record'), %(body)s
+FROM dialog d, generate_series(1, %(messages)s) i
+"""
+
+
+def _transfer(nodes: TwoNodes, conversations: int, messages: int, payloads: list) -> float:
+    """msgs/s from the first send to the last acknowledgement, the relay running throughout."""
+    handles = workload.begin_conversations(nodes.a, conversations)
+    arrived_before = nodes.arrived()
+    started = time.monotonic()
+    workload.send_round_robin(nodes.a, handles, messages, payloads)
+    nodes.wait_until_delivered(arrived_before + messages, timeout_s=60 + messages / 500)
+    return messages / (time.monotonic() - started)
+
+
+def _bare_relay(nodes: TwoNodes, conversations: int, messages: int, payloads: list) -> float:
+    """The same traffic through a bare pipeline: multi-row INSERTs into an outbox table on A while a
+    loop selects a batch, COPYs it into B, commits, deletes it from A and commits."""
+    conversation_ids = [str(uuid.uuid4()) for _ in range(conversations)]
+    sender = psycopg2.connect(nodes.a_url)
+    source = psycopg2.connect(nodes.a_url)
+    target = psycopg2.connect(nodes.b_url)
+    try:
+        for connection, create, table in ((source, BARE_OUTBOX, "bench_outbox"), (target, BARE_INBOX, "bench_inbox")):
+            with connection.cursor() as cursor:
+                cursor.execute(create)
+                cursor.execute(f"TRUNCATE {table}")
+            connection.commit()
+        done_sending = threading.Event()
+
+        def send() -> None:
+            with sender.cursor() as cursor:
+                for start in range(0, messages, workload.PER_TRANSACTION):
+                    rows = [(conversation_ids[(start + i) % conversations], start + i, payloads[i])
+                            for i in range(min(workload.PER_TRANSACTION, messages - start))]
+                    psycopg2.extras.execute_values(cursor, BARE_INSERT, rows, page_size=len(rows))
+                    sender.commit()
+            done_sending.set()
+
+        started = time.monotonic()
+        sending = threading.Thread(target=send)
+        sending.start()
+        moved = 0
+        deadline = started + 60 + messages / 500
+        while moved < messages and time.monotonic() < deadline:
+            with source.cursor() as cursor:
+                cursor.execute(BARE_BATCH)
+                rows = cursor.fetchall()
+            source.rollback()
+            if not rows:
+                time.sleep(0.001)
+                continue
+            copy = io.StringIO("".join(f"{id_}\t{conversation}\t{seq}\t\\\\x{bytes(body).hex()}\n"
+                                       for id_, conversation, seq, body in rows))
+            with target.cursor() as cursor:
+                cursor.copy_expert("COPY bench_inbox FROM STDIN", copy)
+            target.commit()
+            with source.cursor() as cursor:
+                cursor.execute(BARE_DELETE, (rows[-1][0],))
+            source.commit()
+            moved += len(rows)
+        sending.join()
+        if moved < messages:
+            raise RuntimeError(f"the bare relay moved {moved:,} of {messages:,} in time")
+        return messages / (time.monotonic() - started)
+    finally:
+        for connection in (sender, source, target):
+            connection.close()
+
+
+def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: int,
+             report: Callable[[str], None]) -> ScenarioResult:
+    payloads = workload.bodies()
+    _transfer(nodes, conversations, min(messages, 5_000), payloads)  # warm the processes and caches
+    ours, bare = [], []
+    for repetition in range(1, repetitions + 1):
+        bare.append(_bare_relay(nodes, conversations, messages, payloads))
+        ours.append(_transfer(nodes, conversations, messages, payloads))
+        nodes.clear_arrived()
+        report(f"cross-node transfer: repetition {repetition}/{repetitions}: bare relay {bare[-1]:,.0f} msgs/s, "
+               f"broker {ours[-1]:,.0f} msgs/s")
+    measured = Measurement("send → relay → HTTP → accept", "msgs/s", ours)
+    baseline = Measurement("bare relay: INSERT / SELECT, COPY, DELETE", "msgs/s", bare)
+    return ScenarioResult("cross-node transfer", measured, baseline, target="≥ 20,000 msgs/s and ≥ 0.8 × baseline",
+                          met=measured.median >= 20_000 and measured.median / baseline.median >= 0.8,
+                          details={"conversations": conversations, "messages": messages,
+                                   "per_transaction": workload.PER_TRANSACTION})
+
+
+def latency(nodes: TwoNodes, rate: int, seconds: float, report: Callable[[str], None]) -> ScenarioResult:
+    """Messages offered at `rate` per second on A, in transactions of LATENCY_BATCH on 10
+    conversations; two readers on B, woken by LISTEN, receive them.  Each latency runs from the
+    commit of the message's send to the receive that returns it; the time to arrive (the start of
+    B's transaction that stores it) is noted too."""
+    handles = workload.begin_conversations(nodes.a, 10)
+    committed: dict[int, float] = {}
+    received: list[tuple[int, float, float]] = []  # (message number, enqueued on B, returned by receive)
+    total = int(rate * seconds) // LATENCY_BATCH * LATENCY_BATCH
+    stop = threading.Event()
+    padding = bytes(workload.MESSAGE_BYTES - 8)
+
+    def read() -> None:
+        listener = psycopg2.connect(nodes.b_url)
+        listener.autocommit = True
+        listener.cursor().execute("LISTEN broker_queue")
+        reader = psycopg2.connect(nodes.b_url)
+        while not stop.is_set():
+            with reader.cursor() as cursor:
+                cursor.execute(RECEIVE_TIMED)
+                rows = cursor.fetchall()
+            reader.commit()
+            seen = time.time()
+            received.extend((struct.unpack("q", bytes(body[:8]))[0], float(enqueued_at), seen) for body, enqueued_at in rows)
+            if not rows and select.select([listener], [], [], 0.1)[0]:
+                listener.poll()
+                listener.notifies.clear()
+        listener.close()
+        reader.close()
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    started = time.monotonic()
+    try:
+        with nodes.a.cursor() as cursor:
+            for first in range(0, total, LATENCY_BATCH):
+                pause = started + first / rate - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                numbers = range(first, first + LATENCY_BATCH)
+                cursor.execute(workload.SEND_MANY, {
+                    "handles": [handles[number % len(handles)] for number in numbers],
+                    "bodies": [psycopg2.Binary(struct.pack("q", number) + padding) for number in numbers]})
+                nodes.a.commit()
+                committed.update(dict.fromkeys(numbers, time.time()))  # wall clock, as the database's
+        offered_s = time.monotonic() - started
+        deadline = time.monotonic() + 30
+        while len(received) < total and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for reader in readers:
+            reader.join()
+    if len(received) < total:
+        raise RuntimeError(f"only {len(received):,} of {total:,} messages arrived within 30 s")
+    measured = [entry for entry in received if entry[0] >= total // 10]  # the first tenth warms up
+    ordered = sorted((seen - committed[number]) * 1000 for number, _, seen in measured)
+    arrived = sorted((enqueued - committed[number]) * 1000 for number, enqueued, _ in measured)
+    p50, p99 = ordered[len(ordered) // 2], ordered[int(len(ordered) * 0.99)]
+    report(f"cross-node latency: p50 {p50:.1f} ms, p99 {p99:.1f} ms at {total / offered_s:,.0f} msgs/s sent")
+    return ScenarioResult("cross-node latency (p50; p99 in details)", Measurement("commit → receive, p50", "ms", [p50]),
+                          target="p50 ≤ 10 ms, p99 ≤ 50 ms", met=p50 <= 10 and p99 <= 50,
+                          details={"p50_ms": p50, "p99_ms": p99, "p999_ms": ordered[int(len(ordered) * 0.999)],
+                                   "offered_msgs_per_s": rate, "sent_msgs_per_s": total / offered_s,
+                                   "per_transaction": LATENCY_BATCH, "messages": total,
+                                   "arrived_p50_ms": arrived[len(arrived) // 2],
+                                   "arrived_p99_ms": arrived[int(len(arrived) * 0.99)],
+                                   "mean_ms": statistics.fmean(ordered)},
+                          series={"latencies_ms": [round(value, 3) for value in ordered]})
+
+
+def scale(nodes: TwoNodes, points: list[int], messages: int, backlog: int,
+          report: Callable[[str], None]) -> ScenarioResult:
+    """Transfer throughput as the number of conversations grows, then with a backlog waiting on B."""
+    payloads = workload.bodies()
+    curve = []
+    for conversations in points:
+        count = max(messages, conversations)
+        rate = _transfer(nodes, conversations, count, payloads)
+        nodes.clear_arrived()
+        curve.append({"label": f"{conversations:,}", "conversations": conversations, "msgs_per_s": rate})
+        report(f"scale: {conversations:,} conversations, {count:,} messages: {rate:,.0f} msgs/s")
+    with nodes.b.cursor() as cursor:
+        cursor.execute(BACKLOG, {"body": payloads[0], "messages": backlog})
+        cursor.execute("VACUUM ANALYZE broker.queue_messages")
+    rate = _transfer(nodes, points[-1], max(messages, points[-1]), payloads)
+    curve.append({"label": f"{points[-1]:,} + {backlog:,} backlog", "conversations": points[-1], "msgs_per_s": rate})
+    report(f"scale: {points[-1]:,} conversations over a backlog of {backlog:,}: {rate:,.0f} msgs/s")
+    rates = [point["msgs_per_s"] for point in curve]
+    flat = max(rates) <= 1.2 * min(rates)
+    return ScenarioResult("cross-node at scale (min of the curve)",
+                          Measurement("transfer, slowest point", "msgs/s", [min(rates)]),
+                          target="flat within 20%", met=flat,
+                          details={"curve": curve, "max_over_min": max(rates) / min(rates)},
+                          series={"scale": curve})

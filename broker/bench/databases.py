@@ -1,0 +1,54 @@
+"""The benchmark's databases: fresh, migrated ones on one server, dropped afterwards."""
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import psycopg2
+from sqlalchemy.engine import make_url
+
+from broker import migrate
+from broker.embedded import EmbeddedPostgres
+
+
+class BenchServer:
+    """Creates databases broker_bench_* on a server and drops them when closed."""
+
+    def __init__(self, server_url: str):
+        self.server_url = server_url
+        self.created: list[str] = []
+
+    def database(self, label: str) -> str:
+        """A new database migrated to head; returns its URL."""
+        name = f"broker_bench_{label}_{uuid.uuid4().hex[:8]}"
+        self._admin(f"CREATE DATABASE {name}")
+        self.created.append(name)
+        url = make_url(self.server_url).set(database=name).render_as_string(hide_password=False)
+        migrate.upgrade(url)
+        return url
+
+    def close(self) -> None:
+        for name in self.created:
+            self._admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+    def _admin(self, statement: str) -> None:
+        admin = psycopg2.connect(self.server_url)
+        try:
+            admin.autocommit = True
+            with admin.cursor() as cursor:
+                cursor.execute(statement)
+        finally:
+            admin.close()
+
+
+@contextmanager
+def bench_server(server_url: str | None) -> Iterator[BenchServer]:
+    """The given server, or an embedded PostgreSQL in a temporary folder."""
+    with ExitStack() as stack:
+        if server_url is None:
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="broker-bench-"))
+            server_url = stack.enter_context(EmbeddedPostgres(Path(folder))).url()
+        bench = BenchServer(server_url)
+        stack.callback(bench.close)
+        yield bench

@@ -1,0 +1,131 @@
+"""One node: broker.send and broker.receive next to plain INSERTs and DELETE … SKIP LOCKED on a bare table."""
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import psycopg2
+import psycopg2.extras
+
+from broker.bench import workload
+from broker.bench.databases import BenchServer
+from broker.bench.results import Measurement, ScenarioResult, ratio_met
+
+BARE_TABLE = ("CREATE TABLE bench_bare (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL, seq bigint NOT NULL,"
+              " body bytea NOT NULL)")
+BARE_INSERT = "INSERT INTO bench_bare (conversation_id, seq, body) VALUES %s"
+BARE_TAKE = ("DELETE FROM bench_bare WHERE id IN (SELECT id FROM bench_bare ORDER BY id LIMIT 100"
+             " FOR UPDATE SKIP LOCKED) RETURNING body")
+RECEIVE = "SELECT body FROM broker.receive('bench_dst', 100)"
+SEND_TO_ONE = ("SELECT count(broker.send(%(handle)s, 'bench.record', body))"
+               " FROM unnest(%(bodies)s::bytea[]) AS m(body)")
+
+
+def _bare_insert(connection, messages: int, payloads: list) -> None:
+    conversation = str(uuid.uuid4())
+    with connection.cursor() as cursor:
+        for start in range(0, messages, workload.PER_TRANSACTION):
+            rows = [(conversation, start + i, payload) for i, payload in enumerate(payloads)]
+            psycopg2.extras.execute_values(cursor, BARE_INSERT, rows, page_size=len(rows))
+            connection.commit()
+
+
+def _rate(action: Callable[[], None], messages: int) -> float:
+    started = time.monotonic()
+    action()
+    return messages / (time.monotonic() - started)
+
+
+def _prepare(server: BenchServer, *, remote_receiver: bool) -> str:
+    url = server.database("local")
+    workload.define(url, sender=True, receiver=not remote_receiver)
+    if remote_receiver:  # no relay runs: sent messages stay in the transmission queue
+        workload.route(url, "bench_receiver", "http://127.0.0.1:1", str(uuid.uuid4()), "no relay runs in this database")
+    with psycopg2.connect(url) as connection, connection.cursor() as cursor:
+        cursor.execute(BARE_TABLE)
+    connection.close()
+    return url
+
+
+def send(server: BenchServer, messages: int, repetitions: int, report: Callable[[str], None]) -> ScenarioResult:
+    """broker.send to a remote service, 100 calls in one statement per transaction, against a
+    multi-row INSERT of the same 100 rows into a bare table."""
+    connection = psycopg2.connect(_prepare(server, remote_receiver=True))
+    payloads = workload.bodies()
+    handles = workload.begin_conversations(connection, 100)
+    ours, bare = [], []
+    try:
+        workload.send_round_robin(connection, handles, 2_000, payloads)  # warm up
+        for repetition in range(1, repetitions + 1):
+            bare.append(_rate(lambda: _bare_insert(connection, messages, payloads), messages))
+            ours.append(_rate(lambda: workload.send_round_robin(connection, handles, messages, payloads), messages))
+            report(f"local send: repetition {repetition}/{repetitions}: INSERT {bare[-1]:,.0f} msgs/s, "
+                   f"broker.send {ours[-1]:,.0f} msgs/s")
+    finally:
+        connection.close()
+    measured = Measurement("broker.send, 100 per transaction", "msgs/s", ours)
+    baseline = Measurement("multi-row INSERT of 100 into a bare table", "msgs/s", bare)
+    return ScenarioResult("local send", measured, baseline, target="≥ 0.7 × baseline",
+                          met=ratio_met(measured, baseline, 0.7),
+                          details={"messages": messages, "per_transaction": workload.PER_TRANSACTION,
+                                   "message_bytes": workload.MESSAGE_BYTES,
+                                   "conversation": "to a remote service: into the transmission queue"})
+
+
+def _drain(url: str, statement: str, messages: int, readers: int) -> float:
+    """msgs/s of `readers` connections taking batches and committing until `messages` are taken."""
+    taken = 0
+    lock = threading.Lock()
+    deadline = time.monotonic() + 60 + messages / 200
+
+    def read() -> None:
+        nonlocal taken
+        connection = psycopg2.connect(url)
+        try:
+            with connection.cursor() as cursor:
+                while taken < messages and time.monotonic() < deadline:
+                    cursor.execute(statement)
+                    count = len(cursor.fetchall())
+                    connection.commit()
+                    with lock:
+                        taken += count
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=read) for _ in range(readers)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if taken < messages:
+        raise RuntimeError(f"{readers} readers took {taken:,} of {messages:,} messages in time")
+    return messages / (time.monotonic() - started)
+
+
+def receive(server: BenchServer, messages: int, repetitions: int, readers: int,
+            report: Callable[[str], None]) -> ScenarioResult:
+    """broker.receive of up to 100 and commit, against DELETE … SKIP LOCKED … RETURNING batches of
+    100 from a bare table; both hold the same messages, in conversations of 100."""
+    url = _prepare(server, remote_receiver=False)
+    connection = psycopg2.connect(url)
+    payloads = workload.bodies()
+    ours, bare = [], []
+    try:
+        for repetition in range(1, repetitions + 1):
+            for handle in workload.begin_conversations(connection, messages // workload.PER_TRANSACTION):
+                with connection.cursor() as cursor:
+                    cursor.execute(SEND_TO_ONE, {"handle": handle, "bodies": payloads})
+                connection.commit()
+            _bare_insert(connection, messages, payloads)
+            bare.append(_drain(url, BARE_TAKE, messages, readers))
+            ours.append(_drain(url, RECEIVE, messages, readers))
+            report(f"local receive, {readers} readers: repetition {repetition}/{repetitions}: "
+                   f"DELETE … SKIP LOCKED {bare[-1]:,.0f} msgs/s, broker.receive {ours[-1]:,.0f} msgs/s")
+    finally:
+        connection.close()
+    measured = Measurement("broker.receive of 100 + commit", "msgs/s", ours)
+    baseline = Measurement("DELETE … SKIP LOCKED … RETURNING 100", "msgs/s", bare)
+    return ScenarioResult(f"local receive, {readers} reader{'s' if readers > 1 else ''}", measured, baseline,
+                          target="≥ 0.7 × baseline", met=ratio_met(measured, baseline, 0.7),
+                          details={"messages": messages, "readers": readers, "conversations_of": 100})

@@ -1,0 +1,130 @@
+"""Two nodes for the cross-node scenarios: A sends through its relay, B takes the batches in its API.
+
+Each node is a database on the benchmark's server and real processes on it: A's relay
+runs as `broker relay`, B's transport endpoint as `broker serve --no-relay`.
+"""
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import psycopg2
+
+from broker.bench import workload
+from broker.bench.databases import BenchServer
+
+WAITING_TO_TRANSMIT = "SELECT count(*) FROM broker.transmission_queue"
+ARRIVED = "SELECT count(*) FROM broker.queue_messages"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_process(database_url: str, log: Path, *command: str) -> subprocess.Popen:
+    """`broker COMMAND` on the database, its output appended to log."""
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "broker.cli", *command], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "BROKER_DATABASE_URL": database_url})
+
+
+def serve_api(database_url: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """`broker serve --no-relay` on a free port, once it answers; returns the process and its address."""
+    port = _free_port()
+    address = f"http://127.0.0.1:{port}"
+    process = start_process(database_url, log, "serve", "--no-relay", "--no-migrate", "--port", str(port))
+    deadline = time.monotonic() + 30
+    while not _answers(address):
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.terminate()
+            raise RuntimeError(f"the API on {database_url} did not start; see {log}")
+        time.sleep(0.1)
+    return process, address
+
+
+def stop(process: subprocess.Popen | None) -> None:
+    if process is not None and process.poll() is None:
+        process.terminate()
+        process.wait(20)
+
+
+def _answers(address: str) -> bool:
+    try:
+        return httpx.get(f"{address}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class TwoNodes:
+    def __init__(self, server: BenchServer, log: Path):
+        self.a_url = server.database("a")
+        self.b_url = server.database("b")
+        self.log = log
+        self.relay: subprocess.Popen | None = None
+        self.api: subprocess.Popen | None = None
+        workload.define(self.a_url, sender=True, receiver=False)
+        workload.define(self.b_url, sender=False, receiver=True)
+        self.a = psycopg2.connect(self.a_url)
+        self.b = psycopg2.connect(self.b_url)
+        self.b.autocommit = True
+
+    def __enter__(self) -> "TwoNodes":
+        self.api, address = serve_api(self.b_url, self.log)
+        secret = secrets.token_urlsafe(24)
+        workload.route(self.a_url, "bench_receiver", address, workload.instance_of(self.b_url), secret)
+        workload.route(self.b_url, "bench_sender", "http://127.0.0.1:1", workload.instance_of(self.a_url), secret)
+        self.start_relay()
+        # One message through, so that scenarios start with the relay up and connected.
+        workload.send_round_robin(self.a, workload.begin_conversations(self.a, 1), 1, workload.bodies())
+        self.wait_until_delivered(1, timeout_s=60)
+        self.clear_arrived()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        stop(self.relay)
+        stop(self.api)
+        self.a.close()
+        self.b.close()
+
+    def start_relay(self) -> None:
+        self.relay = start_process(self.a_url, self.log, "relay")
+
+    def rss_mb(self) -> dict[str, float]:
+        """Resident memory of the relay and API processes."""
+        return {name: psutil.Process(process.pid).memory_info().rss / 2**20
+                for name, process in (("relay", self.relay), ("api", self.api))}
+
+    def waiting(self) -> int:
+        with self.a.cursor() as cursor:
+            cursor.execute(WAITING_TO_TRANSMIT)
+            count = cursor.fetchone()[0]
+        self.a.rollback()
+        return count
+
+    def arrived(self) -> int:
+        with self.b.cursor() as cursor:
+            cursor.execute(ARRIVED)
+            return cursor.fetchone()[0]
+
+    def clear_arrived(self) -> None:
+        """Empties B's queue between measurements, and vacuums it so that the next one does not pay
+        for the dead rows this bulk delete leaves (a consumer's steady deletes are vacuumed as they go)."""
+        with self.b.cursor() as cursor:
+            cursor.execute("DELETE FROM broker.queue_messages")
+            cursor.execute("VACUUM broker.queue_messages")
+
+    def wait_until_delivered(self, expected_arrived: int, timeout_s: float) -> None:
+        """Until the transmission queue is empty and B holds expected_arrived messages."""
+        deadline = time.monotonic() + timeout_s
+        while self.waiting() or self.arrived() < expected_arrived:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the relay did not deliver within {timeout_s:.0f} s: {self.waiting():,} waiting, "
+                                   f"{self.arrived():,} of {expected_arrived:,} arrived; see {self.log}")
+            time.sleep(0.02)

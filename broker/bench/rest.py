@@ -1,0 +1,86 @@
+"""REST: concurrent clients send over HTTP, then receive with peek-lock and complete, on a `broker serve`."""
+import base64
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from sqlalchemy import create_engine
+
+from broker import api_keys
+from broker.bench import workload
+from broker.bench.databases import BenchServer
+from broker.bench.nodes import serve_api, stop
+from broker.bench.results import Measurement, ScenarioResult
+
+
+def _clients(count: int, work: Callable[[httpx.Client], int], errors: list[str]) -> float:
+    """Runs work(client) in `count` threads at once; returns the messages handled per second."""
+    handled = []
+
+    def client() -> None:
+        try:
+            with httpx.Client(timeout=30) as http:
+                handled.append(work(http))
+        except Exception as error:  # counted and reported, not raised: the scenario reports errors
+            errors.append(f"{type(error).__name__}: {error}")
+
+    threads = [threading.Thread(target=client) for _ in range(count)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(handled) / (time.monotonic() - started)
+
+
+def run(server: BenchServer, log: Path, clients: int, messages_per_client: int,
+        report: Callable[[str], None]) -> ScenarioResult:
+    url = server.database("rest")
+    workload.define(url, sender=True, receiver=True)
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        key = api_keys.create(connection, "bench", ["admin"])
+    engine.dispose()
+    api, address = serve_api(url, log)
+    headers = {"Authorization": f"Bearer {key}"}
+    body = base64.b64encode(bytes(workload.MESSAGE_BYTES)).decode()
+    errors: list[str] = []
+
+    def send(http: httpx.Client) -> int:
+        conversation = http.post(f"{address}/v1/conversations", headers=headers, json={
+            "from_service": "bench_sender", "to_service": "bench_receiver", "contract": "bench"})
+        conversation.raise_for_status()
+        handle = conversation.json()["conversation_handle"]
+        for _ in range(messages_per_client):
+            http.post(f"{address}/v1/conversations/{handle}/messages", headers=headers,
+                      json={"message_type": "bench.record", "body_base64": body}).raise_for_status()
+        return messages_per_client
+
+    def receive(http: httpx.Client) -> int:
+        taken = 0
+        while True:
+            batch = http.post(f"{address}/v1/queues/bench_dst/receive", headers=headers,
+                              json={"max_messages": 100, "wait_ms": 0, "lock_s": 60})
+            batch.raise_for_status()
+            if batch.status_code == 204:  # nothing left
+                return taken
+            received = batch.json()
+            http.post(f"{address}/v1/locks/{received['lock_token']}/complete", headers=headers).raise_for_status()
+            taken += len(received["messages"])
+
+    try:
+        sent = _clients(clients, send, errors)
+        report(f"REST: {clients} clients sent {clients * messages_per_client:,} messages at {sent:,.0f} msgs/s")
+        received = _clients(clients, receive, errors)
+        report(f"REST: {clients} clients received and completed at {received:,.0f} msgs/s; {len(errors)} errors")
+    finally:
+        stop(api)
+    return ScenarioResult(
+        "REST send, then receive + complete", Measurement("send: POST …/messages, one message a request", "msgs/s",
+                                                          [sent]),
+        target="report; no errors", met=not errors,
+        details={"clients": clients, "messages": clients * messages_per_client, "send_msgs_per_s": sent,
+                 "receive_complete_msgs_per_s": received, "receive_batch": 100, "errors": errors[:5],
+                 "error_count": len(errors)})

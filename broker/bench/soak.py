@@ -1,0 +1,101 @@
+"""Steadiness: cross-node traffic at a steady rate for minutes, a reader consuming on B, and a
+transaction held open through the middle third (the classic cause of queue-table bloat)."""
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg2
+
+from broker.bench import workload
+from broker.bench.nodes import TwoNodes
+from broker.bench.results import Measurement, ScenarioResult
+
+DEAD_TUPLES = ("SELECT coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables"
+               " WHERE schemaname = 'broker' AND relname IN ('queue_messages', 'transmission_queue')")
+RECEIVE = "SELECT count(*) FROM broker.receive('bench_dst', 100)"
+SAMPLE_EVERY_S = 5.0
+
+
+def _dead_tuples(*urls: str) -> int:
+    total = 0
+    for url in urls:
+        with psycopg2.connect(url) as connection, connection.cursor() as cursor:
+            cursor.execute(DEAD_TUPLES)
+            total += cursor.fetchone()[0]
+        connection.close()
+    return total
+
+
+def _consume(url: str, stop: threading.Event) -> None:
+    connection = psycopg2.connect(url)
+    with connection.cursor() as cursor:
+        while not stop.is_set():
+            cursor.execute(RECEIVE)
+            taken = cursor.fetchone()[0]
+            connection.commit()
+            if not taken:
+                stop.wait(0.05)
+    connection.close()
+
+
+def run(nodes: TwoNodes, minutes: float, rate: int, report: Callable[[str], None]) -> ScenarioResult:
+    payloads = workload.bodies()
+    handles = workload.begin_conversations(nodes.a, 1_000)
+    stop = threading.Event()
+    consumers = [threading.Thread(target=_consume, args=(nodes.b_url, stop)) for _ in range(2)]
+    for consumer in consumers:
+        consumer.start()
+    held = psycopg2.connect(nodes.b_url)  # the long transaction: a snapshot held on B
+    duration_s = minutes * 60
+    started = time.monotonic()
+    samples, sent, next_sample, holding = [], 0, started + SAMPLE_EVERY_S, False
+    try:
+        while (now := time.monotonic()) - started < duration_s:
+            if not holding and now - started >= duration_s / 3 and now - started < 2 * duration_s / 3:
+                held.cursor().execute("SELECT txid_current(), count(*) FROM broker.queue_messages")
+                holding = True
+            elif holding and now - started >= 2 * duration_s / 3:
+                held.rollback()
+                holding = False
+            due = int((now - started) * rate)
+            if sent < due:
+                count = min(workload.PER_TRANSACTION, due - sent)
+                workload.send_round_robin(nodes.a, handles, count, payloads, first=sent)
+                sent += count
+            else:
+                time.sleep(0.005)
+            if now >= next_sample:
+                delivered = sent - nodes.waiting()  # acknowledged by B
+                rss = nodes.rss_mb()
+                samples.append({"t_s": round(now - started, 1), "delivered": delivered, "holding": holding,
+                                "dead_tuples": _dead_tuples(nodes.a_url, nodes.b_url),
+                                "relay_rss_mb": round(rss["relay"], 1), "api_rss_mb": round(rss["api"], 1)})
+                next_sample += SAMPLE_EVERY_S
+                report(f"soak: {samples[-1]['t_s']:.0f} s, {delivered:,} delivered, "
+                       f"{samples[-1]['dead_tuples']:,} dead tuples{' (transaction held open)' if holding else ''}, "
+                       f"relay {rss['relay']:.0f} MB, API {rss['api']:.0f} MB")
+    finally:
+        held.close()
+        stop.set()
+        for consumer in consumers:
+            consumer.join()
+    for before, sample in zip(samples, samples[1:]):
+        sample["msgs_per_s"] = (sample["delivered"] - before["delivered"]) / (sample["t_s"] - before["t_s"])
+    curve = samples[1:]
+    quarter = max(1, len(curve) // 4)
+    start_rate = statistics.median(s["msgs_per_s"] for s in curve[:quarter])
+    end_rate = statistics.median(s["msgs_per_s"] for s in curve[-quarter:])
+    growth = {name: curve[-1][f"{name}_rss_mb"] / curve[0][f"{name}_rss_mb"] - 1 for name in ("relay", "api")}
+    peak_dead = max(s["dead_tuples"] for s in curve)
+    after = [s["dead_tuples"] for s in curve if s["t_s"] > 2 * duration_s / 3 + 2 * SAMPLE_EVERY_S]
+    bounded = bool(after) and after[-1] <= max(peak_dead, 1)
+    met = abs(end_rate / start_rate - 1) <= 0.2 and max(growth.values()) < 0.1 and bounded
+    return ScenarioResult(
+        f"soak, {minutes:g} min at {rate:,} msgs/s offered", Measurement("delivered, end of run", "msgs/s", [end_rate]),
+        Measurement("delivered, start of run", "msgs/s", [start_rate]),
+        target="throughput within 20% of its start, memory growth < 10%, dead tuples bounded", met=met,
+        details={"rss_growth": growth, "peak_dead_tuples": peak_dead, "dead_tuples_at_end": curve[-1]["dead_tuples"],
+                 "long_transaction": "held open on B through the middle third"},
+        series={"soak": curve})
+

@@ -1,0 +1,73 @@
+"""The benchmark's catalog and its load: 1 KB messages sent with broker.send in transactions of 100."""
+import os
+from collections.abc import Sequence
+
+import psycopg2
+
+MESSAGE_BYTES = 1024
+PER_TRANSACTION = 100
+
+# Node A sends from bench_sender; bench_receiver lives on node B, or on A itself for local conversations.
+DEFINE_TYPES = """
+SELECT broker.create_message_type('bench.record', 'none');
+SELECT broker.create_contract('bench', '{"bench.record": "initiator"}');
+"""
+DEFINE_SENDER = "SELECT broker.create_queue('bench_src'); SELECT broker.create_service('bench_sender', 'bench_src');"
+DEFINE_RECEIVER = ("SELECT broker.create_queue('bench_dst');"
+                   " SELECT broker.create_service('bench_receiver', 'bench_dst', ARRAY['bench']);")
+ROUTE = "SELECT broker.create_route(%(service)s, %(address)s, %(instance)s, %(secret)s)"
+INSTANCE = "SELECT broker_instance FROM broker.node"
+BEGIN_CONVERSATIONS = ("SELECT broker.begin_dialog('bench_sender', 'bench_receiver', 'bench')"
+                       " FROM generate_series(1, %(conversations)s)")
+SEND_MANY = ("SELECT count(broker.send(handle, 'bench.record', body))"
+             " FROM unnest(%(handles)s::uuid[], %(bodies)s::bytea[]) AS m(handle, body)")
+
+
+def bodies() -> list[psycopg2.Binary]:
+    """PER_TRANSACTION distinct random bodies of MESSAGE_BYTES, reused for every transaction."""
+    return [psycopg2.Binary(os.urandom(MESSAGE_BYTES)) for _ in range(PER_TRANSACTION)]
+
+
+def define(database_url: str, *, sender: bool, receiver: bool) -> None:
+    with psycopg2.connect(database_url) as connection, connection.cursor() as cursor:
+        cursor.execute(DEFINE_TYPES)
+        if sender:
+            cursor.execute(DEFINE_SENDER)
+        if receiver:
+            cursor.execute(DEFINE_RECEIVER)
+    connection.close()
+
+
+def route(database_url: str, service: str, address: str, instance: str, secret: str) -> None:
+    with psycopg2.connect(database_url) as connection, connection.cursor() as cursor:
+        cursor.execute(ROUTE, {"service": service, "address": address, "instance": instance, "secret": secret})
+    connection.close()
+
+
+def instance_of(database_url: str) -> str:
+    with psycopg2.connect(database_url) as connection, connection.cursor() as cursor:
+        cursor.execute(INSTANCE)
+        instance = str(cursor.fetchone()[0])
+    connection.close()
+    return instance
+
+
+def begin_conversations(connection, conversations: int) -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute(BEGIN_CONVERSATIONS, {"conversations": conversations})
+        handles = [str(row[0]) for row in cursor.fetchall()]
+    connection.commit()
+    return handles
+
+
+def send_round_robin(connection, handles: Sequence[str], messages: int, payloads: list, first: int = 0) -> None:
+    """Sends `messages` messages over the conversations in turn, PER_TRANSACTION to a transaction.
+
+    `first` continues the rotation where an earlier call stopped.
+    """
+    with connection.cursor() as cursor:
+        for start in range(first, first + messages, PER_TRANSACTION):
+            count = min(PER_TRANSACTION, first + messages - start)
+            batch = [handles[(start + i) % len(handles)] for i in range(count)]
+            cursor.execute(SEND_MANY, {"handles": batch, "bodies": payloads[:count]})
+            connection.commit()

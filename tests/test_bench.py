@@ -1,0 +1,58 @@
+"""`broker bench` runs every scenario next to its baseline and writes what it measured.
+
+The figures are not asserted (speed is judged from the benchmark's report, never by a timed
+test); what is asserted is that each scenario ran, or says why it did not, and the outputs exist.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCENARIOS = {"local send", "local receive, 1 reader", "local receive, 4 readers", "cross-node transfer",
+             "cross-node latency (p50; p99 in details)", "REST send, then receive + complete",
+             "RabbitMQ publish + consume", "Spark ingest", "cross-node at scale (min of the curve)"}
+
+
+def _bench(admin_url, output, *options):
+    return subprocess.run([sys.executable, "-m", "broker.bench", "--output", str(output), *options],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "BROKER_DATABASE_URL": admin_url, "COLUMNS": "200"})
+
+
+@pytest.mark.slow
+def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(admin_url, tmp_path):
+    result = _bench(admin_url, tmp_path, "--quick", "--repetitions", "1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert document["environment"]["fsync"] == "on"
+    scenarios = {scenario["scenario"]: scenario for scenario in document["scenarios"]}
+    assert set(scenarios) == SCENARIOS
+    for name, scenario in scenarios.items():
+        if scenario["skipped"]:
+            assert name == "RabbitMQ publish + consume" and "5672" in scenario["skipped"]
+            continue
+        assert all(value > 0 for value in scenario["measured"]["values"]), name
+        if scenario["baseline"]:
+            assert scenario["ratio"] > 0, name
+    assert scenarios["REST send, then receive + complete"]["details"]["error_count"] == 0
+    assert len(scenarios["cross-node at scale (min of the curve)"]["series"]["scale"]) == 5
+    table = (tmp_path / "results.md").read_text()
+    assert all(name in table for name in SCENARIOS)
+    assert "| local send |" in result.stdout
+    for chart in ("throughput.png", "latency.png", "scale.png"):
+        assert (tmp_path / chart).read_bytes().startswith(b"\x89PNG"), chart
+
+
+@pytest.mark.slow
+def test_soak_reports_throughput_dead_tuples_and_memory_over_time(admin_url, tmp_path):
+    result = _bench(admin_url, tmp_path, "--soak", "1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (soak,) = json.loads((tmp_path / "results.json").read_text())["scenarios"]
+    samples = soak["series"]["soak"]
+    assert len(samples) >= 10
+    assert any(sample["holding"] for sample in samples) and not samples[-1]["holding"]
+    assert all(sample["relay_rss_mb"] > 0 and sample["api_rss_mb"] > 0 for sample in samples)
+    assert samples[-1]["delivered"] > samples[0]["delivered"]
+    assert (tmp_path / "soak.png").read_bytes().startswith(b"\x89PNG")
