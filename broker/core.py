@@ -5,6 +5,7 @@ the caller's transaction, so an application can receive, do its own work and
 send in one transaction; nothing here commits.
 """
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -129,6 +130,16 @@ def send(executor: Executor, conversation_handle: UUID, message_type: str, body:
     """Sends a message (str bodies are UTF-8 encoded); returns its sequence number."""
     return _call(executor, "SELECT broker.send(:handle, :message_type, :body)",
                  handle=conversation_handle, message_type=message_type, body=_as_bytes(body)).scalar_one()
+
+
+def send_batch(executor: Executor, conversation_handles: Sequence[UUID], message_type: str,
+               bodies: Sequence[bytes | str | None] | None = None) -> list[int]:
+    """Sends bodies[i] on conversation_handles[i], all of one message type, in one statement; returns the
+    sequence numbers in the order given.  A handle may repeat: its messages are numbered in that order.
+    All or nothing, with the checks and errors of send."""
+    return _call(executor, "SELECT broker.send_batch(CAST(:handles AS uuid[]), :message_type, CAST(:bodies AS bytea[]))",
+                 handles=[str(handle) for handle in conversation_handles], message_type=message_type,
+                 bodies=None if bodies is None else [_as_bytes(body) for body in bodies]).scalar_one()
 
 
 def send_numbered(executor: Executor, conversation_handle: UUID, sequence_number: int, message_type: str,

@@ -2,17 +2,26 @@
 
 Per destination node it sends the lowest waiting numbers of each conversation,
 applies the signed acknowledgements in one transaction, and deletes only what
-the peer acknowledged after its commit.  Several relays may run against one
-database: a session advisory lock per destination lets one of them at a time
-talk to a destination, so a conversation's messages never go out of order or
-from two relays at once, and a relay that dies releases it with its connection.
+the peer acknowledged after its commit.  The conversations are split by handle
+into lanes that send at once, each with a batch of its own in flight, so the
+two databases and the network work side by side.  Several relays may run
+against one database: a session advisory lock per destination and lane lets
+one of them at a time talk to a destination for a lane, so a conversation's
+messages never go out of order or from two relays at once; a relay keeps its
+locks while it runs, and one that dies releases them with its connections,
+for another to take over.
+
+A batch travels as PostgreSQL's binary COPY format of broker.transport_message
+rows: the sending database writes it and the receiving one reads it, with no
+per-message work in Python on either side.
 """
-import json
+import io
 import logging
 import random
 import select
 import threading
 import time
+import uuid
 from datetime import timedelta
 
 import httpx
@@ -26,25 +35,23 @@ from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILUR
 log = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "broker_transmission_queue"
+BATCH_MEDIA_TYPE = "application/vnd.pg-broker.batch"
+LANES = 2
 IDLE_WAKE_S = 1.0
+# Routes change seldom: a lane looks at them again after this long, not in every cycle.
+DESTINATIONS_REFRESH_S = 1.0
 # Closes and acknowledgements forget old closed endpoints as they happen; on a
 # quiet node the relay does it now and then, so none outstays its retention.
 FORGET_EVERY_S = 60.0
 
-DESTINATIONS = text(
-    "SELECT address, broker_instance, peer_secret, next_attempt_at <= now() AS due,"
-    " greatest(extract(epoch FROM next_attempt_at - now()), 0) AS due_in_s"
-    " FROM broker.transport_destinations ORDER BY next_attempt_at")
+DESTINATIONS = text("SELECT address, broker_instance, min(peer_secret) AS peer_secret FROM broker.routes"
+                    " GROUP BY address, broker_instance ORDER BY address")
 OUR_INSTANCE = text("SELECT broker_instance FROM broker.node")
-# The batch as JSON text, sent as it is, and how many messages it carries.
-NEXT_BATCH = text(
-    "SELECT batch::text AS body, (SELECT count(*) FROM json_array_elements(batch -> 'conversations') c,"
-    " json_array_elements(c -> 'messages')) AS messages"
-    " FROM broker.transport_batch(:address, :max_messages) batch")
+NEXT_BATCH = ("COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(first)s, %(last)s))"
+              " TO STDOUT (FORMAT binary)")
 APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb))")
-RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :reason, :retry_after)")
-LOCK_DESTINATION = text("SELECT pg_try_advisory_lock(1651663724, hashtext(:address))")
-UNLOCK_DESTINATION = text("SELECT pg_advisory_unlock(1651663724, hashtext(:address))")
+RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, :last, :reason, :retry_after)")
+LOCK_LANE = text("SELECT pg_try_advisory_lock(1651663724, hashtext(:address || ' lane ' || :lane))")
 FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
 
 
@@ -57,109 +64,197 @@ def backoff_s(failures_in_a_row: int) -> float:
     return min(60.0, 2.0 ** (failures_in_a_row - 1)) * random.uniform(0.5, 1.0)
 
 
+def lane_bounds(lane: int, lanes: int) -> tuple[int, int]:
+    """The first and last conversation handle of a lane, as integers: an equal share of the uuid space."""
+    share = 2**128 // lanes
+    return lane * share, 2**128 - 1 if lane == lanes - 1 else (lane + 1) * share - 1
+
+
+def lane_digits(lane: int, lanes: int) -> set[str]:
+    """The first hex digits of the handles in a lane: a new message's notification carries its handle's."""
+    first, last = lane_bounds(lane, lanes)
+    return {f"{digit:x}" for digit in range(16) if digit << 124 <= last and first <= (digit + 1 << 124) - 1}
+
+
 class Relay:
     def __init__(self, database_url: str, *, batch_size: int = 1000, timeout_s: float = 30.0,
-                 tls_ca_file: str | None = None):
+                 tls_ca_file: str | None = None, lanes: int = LANES):
         self.database_url = database_url
-        self.engine = create_engine(database_url, pool_size=2, pool_pre_ping=True)
-        self.client = httpx.Client(timeout=timeout_s, verify=tls_ca_file or True)
+        self.engine = create_engine(database_url, pool_size=lanes, pool_pre_ping=True)
+        self.lanes = [Lane(self, lane, lanes, httpx.Client(timeout=timeout_s, verify=tls_ca_file or True))
+                      for lane in range(lanes)]
         self.batch_size = batch_size
+
+    def run(self, stop: threading.Event) -> None:
+        """Relays until stop is set: one thread per lane, and one that wakes them on notifications."""
+        threads = [threading.Thread(target=lane.run, args=(stop,), name=f"relay lane {lane.index}", daemon=True)
+                   for lane in self.lanes]
+        threads.append(threading.Thread(target=self._wake_lanes, args=(stop,), name="relay listener", daemon=True))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.engine.dispose()
+
+    def _wake_lanes(self, stop: threading.Event) -> None:
+        """Wakes the lane of each newly committed message (an empty payload wakes them all).
+
+        A database that goes away is waited for; every lane is woken when listening starts again,
+        for whatever was committed meanwhile.
+        """
+        while not stop.is_set():
+            listener = None
+            try:
+                listener = psycopg2.connect(self.database_url)
+                listener.autocommit = True
+                listener.cursor().execute(f"LISTEN {NOTIFY_CHANNEL}")
+                self._wake({""})
+                while not stop.is_set():
+                    if select.select([listener], [], [], IDLE_WAKE_S)[0]:
+                        listener.poll()
+                        self._wake({notification.payload for notification in listener.notifies})
+                        listener.notifies.clear()
+            except psycopg2.Error as error:
+                log.warning("cannot listen for new messages (%s); retrying in a second", str(error).splitlines()[0])
+                stop.wait(1)
+            finally:
+                if listener is not None:
+                    listener.close()
+        self._wake({""})
+
+    def _wake(self, payloads: set[str]) -> None:
+        for lane in self.lanes:
+            if "" in payloads or payloads & lane.digits:
+                lane.wake.set()
+
+
+class Lane:
+    """The conversations of one share of the handle space, for every destination.
+
+    A lane keeps one database session: it holds the lane's lock for each destination it talks to
+    (another relay takes over when this session ends), reads its batches and applies the answers.
+    """
+
+    def __init__(self, relay: Relay, index: int, lanes: int, client: httpx.Client):
+        self.relay, self.index, self.client = relay, index, client
+        first, last = lane_bounds(index, lanes)
+        self.first_handle, self.last_handle = str(uuid.UUID(int=first)), str(uuid.UUID(int=last))
+        self.digits = lane_digits(index, lanes)
+        self.wake = threading.Event()
+        self.connection = None
+        self.locked: set[str] = set()
         self.failures_in_a_row: dict[str, int] = {}
-        self.delivered = 0
+        self.retry_at: dict[str, float] = {}
         self.forget_at = 0.0
+        self.destinations: list = []
+        self.destinations_at = 0.0
         self.instance: str | None = None
 
     def run(self, stop: threading.Event) -> None:
-        """Relays until stop is set, woken by notifications of new messages or by a due retry.
+        """Relays until stop is set, woken by the listener or by a due retry.
 
         A database that goes away (restart, crash, cut connection) is waited for, not fatal.
         """
-        listener = None
         try:
             while not stop.is_set():
                 try:
-                    listener = listener or self._listen()
-                    idle_s = self.run_once()
-                    if idle_s > 0 and select.select([listener], [], [], idle_s)[0]:
-                        listener.poll()
-                        listener.notifies.clear()
+                    self.wake.clear()  # before the batches are read: a message committed after wakes again
+                    self.wake.wait(self.run_once())
                 except (psycopg2.Error, DBAPIError) as error:
                     log.warning("database unavailable (%s); retrying in a second", str(error).splitlines()[0])
-                    if listener is not None:
-                        listener.close()
-                        listener = None
+                    self._disconnect()
                     stop.wait(1)
                 except Exception:
                     log.exception("relay cycle failed; retrying in a second")
+                    self._disconnect()
                     stop.wait(1)
         finally:
-            if listener is not None:
-                listener.close()
+            self._disconnect()
             self.client.close()
-            self.engine.dispose()
 
-    def _listen(self):
-        listener = psycopg2.connect(self.database_url)
-        listener.autocommit = True
-        listener.cursor().execute(f"LISTEN {NOTIFY_CHANNEL}")
-        return listener
+    def _disconnect(self) -> None:
+        """Ends the lane's session, and with it the locks it held."""
+        if self.connection is not None:
+            try:
+                self.connection.close()
+            except DBAPIError:
+                pass
+        self.connection = None
+        self.locked.clear()
+        self.destinations_at = 0.0
 
     def run_once(self) -> float:
-        """Sends to every destination that is due; returns how long to wait before anything else is due."""
-        if time.monotonic() >= self.forget_at:
-            with self.engine.begin() as connection:
-                connection.execute(FORGET_CLOSED_ENDPOINTS)
+        """Sends every due message of the lane; returns how long to wait before a retry is due."""
+        if self.connection is None:
+            self.connection = self.relay.engine.connect()
+        connection = self.connection
+        if self.index == 0 and time.monotonic() >= self.forget_at:
+            connection.execute(FORGET_CLOSED_ENDPOINTS)
+            connection.commit()
             self.forget_at = time.monotonic() + FORGET_EVERY_S
-        with self.engine.connect() as connection:
-            self.instance = self.instance or str(connection.execute(OUR_INSTANCE).scalar_one())
-            destinations = connection.execute(DESTINATIONS).all()
-        sent_something = False
+        if time.monotonic() >= self.destinations_at:
+            self.instance = str(connection.execute(OUR_INSTANCE).scalar_one())
+            self.destinations = connection.execute(DESTINATIONS).all()
+            connection.commit()
+            self.destinations_at = time.monotonic() + DESTINATIONS_REFRESH_S
         idle_s = IDLE_WAKE_S
-        for destination in destinations:
-            if destination.due:
-                sent_something |= self._relay_to(destination, self.instance)
-            else:
-                idle_s = min(idle_s, float(destination.due_in_s))
-        return 0.0 if sent_something else idle_s
+        for destination in self.destinations:
+            wait_s = self.retry_at.get(destination.address, 0.0) - time.monotonic()
+            if wait_s > 0:
+                idle_s = min(idle_s, wait_s)
+            elif self._holds_lock(destination.address):
+                self._relay_to(destination)
+        return idle_s
 
-    def _relay_to(self, destination, instance: str) -> bool:
+    def _holds_lock(self, address: str) -> bool:
+        """Whether this lane talks to the destination: it holds the lock, or has just taken it."""
+        if address not in self.locked:
+            if self.connection.execute(LOCK_LANE, {"address": address, "lane": self.index}).scalar_one():
+                self.locked.add(address)
+            self.connection.commit()
+        return address in self.locked
+
+    def _relay_to(self, destination) -> None:
+        """Sends batches until one comes out less than full: the lane's due messages for the destination
+        are sent (a message committed since wakes the lane by its notification)."""
         address = destination.address
-        with self.engine.connect() as lock:
-            if not lock.execute(LOCK_DESTINATION, {"address": address}).scalar_one():
-                return False  # another relay is talking to it
-            lock.commit()
+        while True:
+            batch, messages = self._next_batch(address)
+            if not messages:
+                return
+            started = time.monotonic()
+            RELAY_SENT.labels(address).inc(messages)
             try:
-                while True:
-                    with self.engine.connect() as connection:
-                        batch = connection.execute(NEXT_BATCH, {"address": address,
-                                                                "max_messages": self.batch_size}).one()
-                    if not batch.messages:
-                        return True
-                    started = time.monotonic()
-                    RELAY_SENT.labels(address).inc(batch.messages)
-                    try:
-                        answer = self._post(destination, instance, batch.body.encode())
-                    except TransportFailure as failure:
-                        RELAY_FAILURES.labels(address).inc()
-                        self._record_failure(address, str(failure))
-                        return True
-                    self.failures_in_a_row.pop(address, None)
-                    with self.engine.begin() as connection:
-                        delivered = connection.execute(APPLY_ANSWER, {"answer": json.dumps(answer)}).scalar_one()
-                    RELAY_BATCH_SECONDS.labels(address).observe(time.monotonic() - started)
-                    RELAY_ACKNOWLEDGED.labels(address).inc(delivered)
-                    self.delivered += delivered
-                    if delivered == 0:
-                        return True  # nothing new was taken: wait for the next wake rather than spin
-            finally:
-                lock.execute(UNLOCK_DESTINATION, {"address": address})
-                lock.commit()
+                answer = self._post(destination, batch)
+            except TransportFailure as failure:
+                RELAY_FAILURES.labels(address).inc()
+                self._record_failure(address, str(failure))
+                return
+            self.failures_in_a_row.pop(address, None)
+            self.retry_at.pop(address, None)
+            delivered = self.connection.execute(APPLY_ANSWER, {"answer": answer}).scalar_one()
+            self.connection.commit()
+            RELAY_BATCH_SECONDS.labels(address).observe(time.monotonic() - started)
+            RELAY_ACKNOWLEDGED.labels(address).inc(delivered)
+            if messages < self.relay.batch_size or delivered == 0:
+                return  # all sent, or nothing new taken: wait for the next wake rather than spin
 
-    def _post(self, destination, instance: str, body: bytes) -> dict:
+    def _next_batch(self, address: str) -> tuple[bytes, int]:
+        """The lane's next batch for the destination, in binary COPY format, and how many messages it holds."""
+        batch = io.BytesIO()
+        with self.connection.begin(), self.connection.connection.cursor() as cursor:  # a transaction of its own
+            cursor.copy_expert(cursor.mogrify(NEXT_BATCH, {
+                "address": address, "max_messages": self.relay.batch_size,
+                "first": self.first_handle, "last": self.last_handle}).decode(), batch)
+            messages = cursor.rowcount
+        return batch.getvalue(), messages
+
+    def _post(self, destination, body: bytes) -> str:
+        """Sends a batch; returns the destination's signed answer, as JSON text."""
         url = f"{destination.address}/transport/v1/batches"
         try:
             response = self.client.post(url, content=body, headers={
-                "Content-Type": "application/json", **signing.signed_headers(destination.peer_secret, instance, body)})
+                "Content-Type": BATCH_MEDIA_TYPE, **signing.signed_headers(destination.peer_secret, self.instance, body)})
         except httpx.HTTPError as error:
             raise TransportFailure(f"cannot reach {destination.address}: {type(error).__name__}: {error}") from error
         if response.status_code != 200:
@@ -170,15 +265,18 @@ class Relay:
                                     response.headers.get(signing.SIGNATURE_HEADER), response.content)
         except signing.BadSignature as error:
             raise TransportFailure(f"the answer from {destination.address} is not signed by the peer: {error}") from error
-        answer = response.json()
-        if answer.get("broker_instance") != str(destination.broker_instance):
-            raise TransportFailure(f"{destination.address} is broker instance {answer.get('broker_instance')}, "
+        instance = response.json().get("broker_instance")
+        if instance != str(destination.broker_instance):
+            raise TransportFailure(f"{destination.address} is broker instance {instance}, "
                                    f"the route expects {destination.broker_instance}")
-        return answer
+        return response.text
 
     def _record_failure(self, address: str, reason: str) -> None:
         failures = self.failures_in_a_row[address] = self.failures_in_a_row.get(address, 0) + 1
-        retry_after = timedelta(seconds=backoff_s(failures))
-        log.warning("%s; retrying in %.1f s", reason, retry_after.total_seconds())
-        with self.engine.begin() as connection:
-            connection.execute(RECORD_FAILURE, {"address": address, "reason": reason, "retry_after": retry_after})
+        retry_after = backoff_s(failures)
+        self.retry_at[address] = time.monotonic() + retry_after
+        log.warning("%s; retrying in %.1f s", reason, retry_after)
+        self.connection.execute(RECORD_FAILURE, {"address": address, "first": self.first_handle,
+                                                 "last": self.last_handle, "reason": reason,
+                                                 "retry_after": timedelta(seconds=retry_after)})
+        self.connection.commit()

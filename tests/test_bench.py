@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-SCENARIOS = {"local send", "local receive, 1 reader", "local receive, 4 readers", "cross-node transfer",
+SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", "local receive, 1 reader", "local receive, 4 readers", "cross-node transfer",
              "cross-node latency (p50; p99 in details)", "REST send, then receive + complete",
              "RabbitMQ publish + consume", "Spark ingest", "cross-node at scale (min of the curve)"}
 
@@ -40,7 +40,7 @@ def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(admi
     assert len(scenarios["cross-node at scale (min of the curve)"]["series"]["scale"]) == 5
     table = (tmp_path / "results.md").read_text()
     assert all(name in table for name in SCENARIOS)
-    assert "| local send |" in result.stdout
+    assert "| local send, broker.send_batch |" in result.stdout
     for chart in ("throughput.png", "latency.png", "scale.png"):
         assert (tmp_path / chart).read_bytes().startswith(b"\x89PNG"), chart
 

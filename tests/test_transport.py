@@ -1,5 +1,5 @@
 """Two nodes, each a real `broker serve` process on its own database, conversing over HTTP."""
-import base64
+import io
 import json
 import time
 import uuid
@@ -8,6 +8,7 @@ from datetime import timedelta
 import httpx
 import pytest
 import trustme
+import psycopg2.extras
 from sqlalchemy import text
 
 import broker
@@ -142,11 +143,24 @@ def test_a_lifetime_that_ends_while_the_peer_is_down_gives_broker_error_on_both_
 
 
 def _batch(conversation_id, numbers, *, to_service="warehouse", message_type="order.note", body=None):
-    return {"conversations": [{
-        "conversation_id": str(conversation_id), "sender_is_initiator": True, "from_service": "shop",
-        "to_service": to_service, "contract": "orders", "expires_at": None,
-        "messages": [{"sequence_number": n, "message_type": message_type,
-                      "body": base64.b64encode(body or str(n).encode()).decode()} for n in numbers]}]}
+    """One conversation's messages from shop, as rows of broker.transport_message."""
+    return [(str(conversation_id), True, "shop", to_service, "orders", None, n, message_type, body or str(n).encode())
+            for n in numbers]
+
+
+def _encode(node, rows, row_type="broker.transport_message") -> bytes:
+    """Rows in the transport's wire format, written by PostgreSQL's COPY as a relay's database writes them."""
+    connection = node.engine.raw_connection()
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(f"CREATE TEMPORARY TABLE batch OF {row_type}")
+            psycopg2.extras.execute_values(cursor, "INSERT INTO batch VALUES %s", rows)
+            encoded = io.BytesIO()
+            cursor.copy_expert("COPY batch TO STDOUT (FORMAT binary)", encoded)
+        connection.rollback()
+    finally:
+        connection.close()
+    return encoded.getvalue()
 
 
 def _post(node, sender, body: bytes, *, secret=SECRET, headers=None):
@@ -164,10 +178,10 @@ def _stored(node):
 def test_duplicated_reordered_and_gapped_batches_store_each_message_once_in_order(nodes):
     a, b = nodes
     conversation = uuid.uuid4()
-    first = _post(b, a, json.dumps(_batch(conversation, [2, 1, 1, 3, 5])).encode())
+    first = _post(b, a, _encode(b, _batch(conversation, [2, 1, 1, 3, 5])))
     assert first.status_code == 200
     assert first.json()["results"][0]["acknowledged"] == 3  # 5 is past a gap: refused, to be resent
-    body = json.dumps(_batch(conversation, [1, 2, 3, 4, 5])).encode()
+    body = _encode(b, _batch(conversation, [1, 2, 3, 4, 5]))
     assert _post(b, a, body).json()["results"][0]["acknowledged"] == 5
     replay = _post(b, a, body)  # the same request again
     assert replay.json()["results"][0]["acknowledged"] == 5
@@ -179,9 +193,9 @@ def test_duplicated_reordered_and_gapped_batches_store_each_message_once_in_orde
 def test_one_bad_conversation_does_not_spoil_the_batch(nodes):
     a, b = nodes
     good, unknown, invalid = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
-    batch = {"conversations": (_batch(good, [1])["conversations"] + _batch(unknown, [1], to_service="nobody")["conversations"]
-                               + _batch(invalid, [1], message_type="order.submit", body=b"{oops")["conversations"])}
-    answer = _post(b, a, json.dumps(batch).encode()).json()
+    batch = (_batch(good, [1]) + _batch(unknown, [1], to_service="nobody")
+             + _batch(invalid, [1], message_type="order.submit", body=b"{oops"))
+    answer = _post(b, a, _encode(b, batch)).json()
     results = {r["conversation_id"]: r for r in answer["results"]}
     assert results[str(good)]["acknowledged"] == 1 and "refused" not in results[str(good)]
     assert results[str(unknown)]["refused"]["sqlstate"] == "BR001"
@@ -196,7 +210,7 @@ def test_one_bad_conversation_does_not_spoil_the_batch(nodes):
 ], ids=["wrong signature", "stale timestamp", "unsigned"])
 def test_requests_not_signed_by_a_known_peer_are_refused(nodes, tamper, reason):
     a, b = nodes
-    body = json.dumps(_batch(uuid.uuid4(), [1])).encode()
+    body = _encode(b, _batch(uuid.uuid4(), [1]))
     response = _post(b, a, body, headers=tamper(body))
     assert response.status_code == 401
     assert response.headers["content-type"] == "application/problem+json"
@@ -206,7 +220,7 @@ def test_requests_not_signed_by_a_known_peer_are_refused(nodes, tamper, reason):
 
 def test_a_body_truncated_after_signing_is_refused(nodes):
     a, b = nodes
-    body = json.dumps(_batch(uuid.uuid4(), [1, 2, 3])).encode()
+    body = _encode(b, _batch(uuid.uuid4(), [1, 2, 3]))
     response = httpx.post(f"{b.address}/transport/v1/batches", content=body[:-10],
                           headers=signing.signed_headers(SECRET, str(a.instance), body))
     assert response.status_code == 401
@@ -215,7 +229,7 @@ def test_a_body_truncated_after_signing_is_refused(nodes):
 
 def test_a_request_from_an_unknown_instance_or_with_the_wrong_secret_is_refused(nodes):
     a, b = nodes
-    body = json.dumps(_batch(uuid.uuid4(), [1])).encode()
+    body = _encode(b, _batch(uuid.uuid4(), [1]))
     assert _post(b, a, body, secret="some-other-secret-value").status_code == 401
     stranger = httpx.post(f"{b.address}/transport/v1/batches", content=body,
                           headers=signing.signed_headers(SECRET, str(uuid.uuid4()), body))
@@ -223,13 +237,17 @@ def test_a_request_from_an_unknown_instance_or_with_the_wrong_secret_is_refused(
     assert _stored(b) == []
 
 
-@pytest.mark.parametrize("body", [b"{not json", b'{"conversations": 5}', b"[]",
-                                  json.dumps({"conversations": [{"conversation_id": "x"}]}).encode(),
-                                  json.dumps(_batch(uuid.uuid4(), [1, 2, 3])).encode()[:120]],
-                         ids=["not JSON", "wrong type", "array", "missing fields", "truncated"])
-def test_malformed_batches_get_a_problem_and_store_nothing(nodes, body):
+@pytest.mark.parametrize("malformed", [
+    lambda b: b"{not json",
+    lambda b: b"",
+    lambda b: _encode(b, _batch(uuid.uuid4(), [1, 2, 3]))[:-40],
+    lambda b: _encode(b, [(str(uuid.uuid4()), str(uuid.uuid4()), True, 1, 1, str(uuid.uuid4()), 1)],
+                      "broker._batch_conversation"),
+    lambda b: _encode(b, [(str(uuid.uuid4()), True, "shop", "warehouse", "orders", None, None, "order.note", b"1")]),
+], ids=["not COPY", "empty", "truncated", "other columns", "no sequence number"])
+def test_malformed_batches_get_a_problem_and_store_nothing(nodes, malformed):
     a, b = nodes
-    response = _post(b, a, body)
+    response = _post(b, a, malformed(b))
     assert response.status_code == 400
     assert response.json()["type"] == "/problems/malformed-batch"
     assert _stored(b) == []
@@ -278,9 +296,8 @@ def test_a_forgotten_conversation_sent_again_is_acknowledged_not_reopened(nodes)
     assert b.scalar("SELECT count(*) FROM broker.forgotten_conversations") == 1
 
     replay = _batch(conversation, [1], body=b"once")
-    replay["conversations"][0]["messages"].append({"sequence_number": 2, "message_type": "broker.end_dialog",
-                                                   "body": None})
-    answer = _post(b, a, json.dumps(replay).encode())
+    replay.append((str(conversation), True, "shop", "warehouse", "orders", None, 2, "broker.end_dialog", None))
+    answer = _post(b, a, _encode(b, replay))
     assert answer.status_code == 200 and answer.json()["results"][0]["acknowledged"] == 2
     assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
     assert _stored(b) == []

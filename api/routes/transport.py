@@ -1,12 +1,17 @@
 """Node-to-node endpoints, each signed both ways with the secret the two nodes share.
 
-POST /transport/v1/batches: messages from other nodes, acknowledged after our commit.
+POST /transport/v1/batches: messages from other nodes, acknowledged after our commit.  The
+body is PostgreSQL's binary COPY format of broker.transport_message rows (see broker.relay):
+it goes straight into a temporary table by COPY, and PostgreSQL's own input checks refuse
+anything malformed.
 POST /transport/v1/describe: what this node offers a peer (its services, their queues and
 contracts, and its routes back to the peer), for `broker diagnose` on the peer.
 """
+import io
 import json
 from uuid import UUID
 
+import psycopg2
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
@@ -19,7 +24,13 @@ from broker import signing
 router = APIRouter()
 
 SECRETS_OF_PEER = text("SELECT DISTINCT peer_secret FROM broker.routes WHERE broker_instance = :instance")
-ACCEPT_BATCH = text("SELECT broker.accept_transport_batch(:instance, CAST(:batch AS jsonb))")
+# The batch's rows live for one transaction in a temporary table of the session.
+STAGE_BATCH = text(
+    "CREATE TEMPORARY TABLE IF NOT EXISTS incoming_transport_batch OF broker.transport_message"
+    " (conversation_id WITH OPTIONS NOT NULL, sender_is_initiator WITH OPTIONS NOT NULL,"
+    "  sequence_number WITH OPTIONS NOT NULL, message_type WITH OPTIONS NOT NULL) ON COMMIT DELETE ROWS")
+COPY_BATCH = "COPY pg_temp.incoming_transport_batch FROM STDIN (FORMAT binary)"
+ACCEPT_BATCH = text("SELECT broker.accept_transport_batch(:instance)::text")
 DESCRIBE_SERVICES = text(
     "SELECT s.name, q.name AS queue, q.is_enabled AS queue_enabled,"
     " coalesce(array_agg(c.name ORDER BY c.name) FILTER (WHERE c.name IS NOT NULL), '{}') AS contracts"
@@ -36,49 +47,40 @@ DESCRIBE_CONTRACTS = text(
 ROUTES_TO_PEER = text("SELECT service_name FROM broker.routes WHERE broker_instance = :instance ORDER BY 1")
 
 
-class TransportMessage(BaseModel):
-    sequence_number: int
-    message_type: str
-    body: str | None = None
-
-
-class TransportConversation(BaseModel):
-    conversation_id: UUID
-    sender_is_initiator: bool
-    from_service: str
-    to_service: str
-    contract: str
-    expires_at: str | None = None
-    messages: list[TransportMessage]
-
-
-class TransportBatch(BaseModel):
-    conversations: list[TransportConversation]
-
-
-async def _signed_request(request: Request, model: type[BaseModel], malformed: str):
-    """(the peer's instance id, the secret its signature is good under, the parsed body), or the
-    401 or 400 to answer.  `malformed` names the problem type for a body that does not parse."""
-    body = await request.body()  # at most max_batch_bytes: see api.limits
+def _peer_instance(request: Request) -> str | None:
     try:
-        instance = str(UUID(request.headers.get(signing.INSTANCE_HEADER, "")))
+        return str(UUID(request.headers.get(signing.INSTANCE_HEADER, "")))
     except ValueError:
-        return problem(401, "unknown-peer", "the request does not name a broker instance")
+        return None
 
-    def secrets() -> list[str]:
-        with request.app.state.engine.connect() as connection:
-            return list(connection.execute(SECRETS_OF_PEER, {"instance": instance}).scalars())
 
-    try:
-        secret = signing.matching_secret(await run_in_threadpool(secrets),
-                                         request.headers.get(signing.TIMESTAMP_HEADER),
-                                         request.headers.get(signing.SIGNATURE_HEADER), body)
-    except signing.BadSignature as refusal:
-        return problem(401, "bad-signature", "the request is not signed by a known peer", str(refusal))
-    try:
-        return instance, secret, model.model_validate_json(body)
-    except ValidationError as error:
-        return problem(400, malformed, "the body is not what this endpoint takes", str(error.errors()[:3]))
+def _secret_of_signer(connection, request: Request, instance: str, body: bytes) -> str:
+    """The secret the request is signed under; raises signing.BadSignature when no peer signed it."""
+    return signing.matching_secret(list(connection.execute(SECRETS_OF_PEER, {"instance": instance}).scalars()),
+                                   request.headers.get(signing.TIMESTAMP_HEADER),
+                                   request.headers.get(signing.SIGNATURE_HEADER), body)
+
+
+def _unknown_peer() -> Response:
+    return problem(401, "unknown-peer", "the request does not name a broker instance")
+
+
+def _bad_signature(refusal: signing.BadSignature) -> Response:
+    return problem(401, "bad-signature", "the request is not signed by a known peer", str(refusal))
+
+
+def _staged(connection):
+    """The connection, with the batch table made in its session (once, in a transaction of its own)."""
+    session = connection.connection.info
+    if not session.get("incoming_transport_batch"):
+        connection.execute(STAGE_BATCH)
+        connection.commit()
+        session["incoming_transport_batch"] = True
+    return connection
+
+
+def _malformed(kind: str, detail: str) -> Response:
+    return problem(400, kind, "the body is not what this endpoint takes", detail)
 
 
 def _signed_answer(request: Request, secret: str, answer: bytes) -> Response:
@@ -88,18 +90,30 @@ def _signed_answer(request: Request, secret: str, answer: bytes) -> Response:
 
 @router.post("/transport/v1/batches", include_in_schema=False)
 async def receive_batch(request: Request) -> Response:
-    signed = await _signed_request(request, TransportBatch, "malformed-batch")
-    if isinstance(signed, Response):
-        return signed
-    instance, secret, _ = signed
-    batch = (await request.body()).decode()  # checked against TransportBatch: stored as sent
+    instance = _peer_instance(request)
+    if instance is None:
+        return _unknown_peer()
+    batch = await request.body()  # at most max_batch_bytes: see api.limits
 
-    def accept() -> bytes:
-        with request.app.state.engine.begin() as connection:
-            answer = connection.execute(ACCEPT_BATCH, {"instance": instance, "batch": batch}).scalar_one()
-        return json.dumps(answer).encode()  # after the commit: acknowledge only what is durable
+    def accept() -> Response:
+        """Checks the signature, stores the batch and commits, in one transaction."""
+        try:
+            with request.app.state.engine.connect() as connection, _staged(connection).begin():
+                secret = _secret_of_signer(connection, request, instance, batch)
+                with connection.connection.cursor() as cursor:
+                    cursor.copy_expert(COPY_BATCH, io.BytesIO(batch))
+                answer = connection.execute(ACCEPT_BATCH, {"instance": instance}).scalar_one()
+        except signing.BadSignature as refusal:
+            return _bad_signature(refusal)
+        except (psycopg2.DataError, psycopg2.IntegrityError) as error:  # PostgreSQL's input checks refused it
+            return _malformed("malformed-batch", str(error).strip().splitlines()[0])
+        except psycopg2.OperationalError:
+            return problem(503, "database-unavailable", "The database could not do it now; nothing was applied",
+                           headers={"Retry-After": "1"})
+        # after the commit: acknowledge only what is durable
+        return _signed_answer(request, secret, answer.encode())
 
-    return _signed_answer(request, secret, await run_in_threadpool(accept))
+    return await run_in_threadpool(accept)
 
 
 class DescribeRequest(BaseModel):
@@ -109,19 +123,28 @@ class DescribeRequest(BaseModel):
 
 @router.post("/transport/v1/describe", include_in_schema=False)
 async def describe(request: Request) -> Response:
-    signed = await _signed_request(request, DescribeRequest, "malformed-request")
-    if isinstance(signed, Response):
-        return signed
-    instance, secret, asked = signed
+    instance = _peer_instance(request)
+    if instance is None:
+        return _unknown_peer()
+    body = await request.body()
 
-    def describe_catalog() -> bytes:
+    def describe_catalog() -> Response:
         with request.app.state.engine.connect() as connection:
+            try:
+                secret = _secret_of_signer(connection, request, instance, body)
+            except signing.BadSignature as refusal:
+                return _bad_signature(refusal)
+            try:
+                asked = DescribeRequest.model_validate_json(body)
+            except ValidationError as error:
+                return _malformed("malformed-request", str(error.errors()[:3]))
             services = {row.name: {"queue": row.queue, "queue_enabled": row.queue_enabled,
                                    "contracts": list(row.contracts)}
                         for row in connection.execute(DESCRIBE_SERVICES, {"names": asked.services})}
             contracts = dict(connection.execute(DESCRIBE_CONTRACTS, {"names": asked.contracts}).all())
             routes = list(connection.execute(ROUTES_TO_PEER, {"instance": instance}).scalars())
-        return json.dumps({"broker_instance": request.app.state.broker_instance, "services": services,
-                           "contracts": contracts, "routes_to_you": routes}).encode()
+        return _signed_answer(request, secret, json.dumps({
+            "broker_instance": request.app.state.broker_instance, "services": services,
+            "contracts": contracts, "routes_to_you": routes}).encode())
 
-    return _signed_answer(request, secret, await run_in_threadpool(describe_catalog))
+    return await run_in_threadpool(describe_catalog)

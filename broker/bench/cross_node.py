@@ -126,9 +126,10 @@ def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: in
 
 
 def latency(nodes: TwoNodes, rate: int, seconds: float, report: Callable[[str], None]) -> ScenarioResult:
-    """Messages offered at `rate` per second on A, in transactions of LATENCY_BATCH on 10
-    conversations; two readers on B, woken by LISTEN, receive them.  Each latency runs from the
-    commit of the message's send to the receive that returns it; the time to arrive (the start of
+    """Messages offered at `rate` per second on A, in transactions of LATENCY_BATCH messages on one
+    of 10 conversations in turn; two readers on B, woken by LISTEN, receive them.  Each latency runs
+    from the commit of the message's send to the return of the receive that hands it out (it is
+    visible to receive then; the reader's own commit follows).  The time to arrive (the start of
     B's transaction that stores it) is noted too."""
     handles = workload.begin_conversations(nodes.a, 10)
     committed: dict[int, float] = {}
@@ -146,8 +147,8 @@ def latency(nodes: TwoNodes, rate: int, seconds: float, report: Callable[[str], 
             with reader.cursor() as cursor:
                 cursor.execute(RECEIVE_TIMED)
                 rows = cursor.fetchall()
-            reader.commit()
             seen = time.time()
+            reader.commit()
             received.extend((struct.unpack("q", bytes(body[:8]))[0], float(enqueued_at), seen) for body, enqueued_at in rows)
             if not rows and select.select([listener], [], [], 0.1)[0]:
                 listener.poll()
@@ -166,8 +167,8 @@ def latency(nodes: TwoNodes, rate: int, seconds: float, report: Callable[[str], 
                 if pause > 0:
                     time.sleep(pause)
                 numbers = range(first, first + LATENCY_BATCH)
-                cursor.execute(workload.SEND_MANY, {
-                    "handles": [handles[number % len(handles)] for number in numbers],
+                cursor.execute(workload.SEND_BATCH, {
+                    "handles": [handles[first // LATENCY_BATCH % len(handles)]] * LATENCY_BATCH,
                     "bodies": [psycopg2.Binary(struct.pack("q", number) + padding) for number in numbers]})
                 nodes.a.commit()
                 committed.update(dict.fromkeys(numbers, time.time()))  # wall clock, as the database's

@@ -53,7 +53,7 @@ def _environment(database_url: str) -> dict:
 def _scenarios(server: BenchServer, output: Path, sizes: Sizes, repetitions: int,
                report: Callable[[str], None]) -> list[ScenarioResult]:
     log = output / "nodes.log"
-    results = [local.send(server, sizes.send, repetitions, report)]
+    results = local.send(server, sizes.send, repetitions, report)
     for readers in (1, 4):
         results.append(local.receive(server, sizes.receive, repetitions, readers, report))
     with TwoNodes(server, log) as nodes:

@@ -1,4 +1,4 @@
-"""The benchmark's catalog and its load: 1 KB messages sent with broker.send in transactions of 100."""
+"""The benchmark's catalog and its load: 1 KB messages sent with broker.send_batch in transactions of 100."""
 import os
 from collections.abc import Sequence
 
@@ -19,8 +19,7 @@ ROUTE = "SELECT broker.create_route(%(service)s, %(address)s, %(instance)s, %(se
 INSTANCE = "SELECT broker_instance FROM broker.node"
 BEGIN_CONVERSATIONS = ("SELECT broker.begin_dialog('bench_sender', 'bench_receiver', 'bench')"
                        " FROM generate_series(1, %(conversations)s)")
-SEND_MANY = ("SELECT count(broker.send(handle, 'bench.record', body))"
-             " FROM unnest(%(handles)s::uuid[], %(bodies)s::bytea[]) AS m(handle, body)")
+SEND_BATCH = "SELECT broker.send_batch(%(handles)s::uuid[], 'bench.record', %(bodies)s::bytea[])"
 
 
 def bodies() -> list[psycopg2.Binary]:
@@ -69,5 +68,5 @@ def send_round_robin(connection, handles: Sequence[str], messages: int, payloads
         for start in range(first, first + messages, PER_TRANSACTION):
             count = min(PER_TRANSACTION, first + messages - start)
             batch = [handles[(start + i) % len(handles)] for i in range(count)]
-            cursor.execute(SEND_MANY, {"handles": batch, "bodies": payloads[:count]})
+            cursor.execute(SEND_BATCH, {"handles": batch, "bodies": payloads[:count]})
             connection.commit()

@@ -1,4 +1,23 @@
 -- Removes what revision 0006 added and puts back the functions of revisions 0001 and 0002 it replaced.
+CREATE VIEW broker.transport_destinations AS
+SELECT r.address, r.broker_instance, min(r.peer_secret) AS peer_secret, min(t.next_attempt_at) AS next_attempt_at,
+       count(*) AS waiting
+FROM broker.transmission_queue t
+JOIN broker.routes r ON r.service_name = t.to_service
+GROUP BY r.address, r.broker_instance;
+
+DROP FUNCTION broker.record_transport_failure(text, uuid, uuid, text, interval);
+CREATE FUNCTION broker.record_transport_failure(destination text, reason text, retry_after interval) RETURNS void
+LANGUAGE sql AS $$
+    UPDATE broker.transmission_queue t
+    SET attempts = t.attempts + 1,
+        next_attempt_at = now() + retry_after,
+        transmission_status = format('%s (attempt %s, next at %s)', reason, t.attempts + 1,
+                                     to_char(now() + retry_after, 'YYYY-MM-DD HH24:MI:SS TZ'))
+    FROM broker.routes r
+    WHERE r.service_name = t.to_service AND r.address = destination
+$$;
+
 DROP INDEX broker.queue_messages_waiting;
 CREATE INDEX transmission_queue_due ON broker.transmission_queue (next_attempt_at);
 ALTER TABLE broker.endpoints RESET (fillfactor);
@@ -95,7 +114,8 @@ BEGIN
     RETURN delivered;
 END $$;
 
-CREATE OR REPLACE FUNCTION broker.accept_transport_batch(from_instance uuid, batch jsonb) RETURNS jsonb
+DROP FUNCTION broker.accept_transport_batch(uuid);
+CREATE FUNCTION broker.accept_transport_batch(from_instance uuid, batch jsonb) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
     results jsonb := '[]';
@@ -109,8 +129,10 @@ BEGIN
     END LOOP;
     RETURN jsonb_build_object('broker_instance', (SELECT broker_instance FROM broker.node), 'results', results);
 END $$;
+COMMENT ON FUNCTION broker.accept_transport_batch(uuid, jsonb) IS
+    'Stores what comes next of each conversation in a batch from another node; returns the acknowledgements.';
 
-DROP FUNCTION broker.transport_batch(text, integer);
+DROP FUNCTION broker.transport_batch(text, integer, uuid, uuid);
 CREATE FUNCTION broker.transport_batch(destination text, max_messages integer) RETURNS jsonb
 LANGUAGE sql STABLE AS $$
     WITH due AS (
@@ -180,8 +202,11 @@ BEGIN
     ORDER BY m.conversation_handle, m.message_sequence_number;
 END $$;
 
-DROP FUNCTION broker._accept_in_bulk(uuid, jsonb);
-DROP TYPE broker._bulk_message;
-DROP TYPE broker._bulk_conversation;
+DROP FUNCTION broker._accept_in_bulk(uuid);
+DROP FUNCTION broker._open_batch_conversations(uuid, integer);
+DROP FUNCTION broker._lock_batch_conversations(uuid);
+DROP TYPE broker._batch_conversation;
+DROP TYPE broker.transport_message;
+DROP FUNCTION broker.send_batch(uuid[], text, bytea[]);
 DROP VIEW broker._plain_message_types;
 DROP FUNCTION broker._next_queue_positions(integer);

@@ -28,6 +28,18 @@ CREATE INDEX queue_messages_waiting ON broker.queue_messages (queue_id, queue_po
 -- destination and conversation): the index only cost every send a write.
 DROP INDEX broker.transmission_queue_due;
 
+-- The message types each side of each contract may send that are stored
+-- without a second look: application types without validation.  A message
+-- of such a type within the size limit is "plain": broker.send_batch and
+-- broker.accept_transport_batch take plain messages in bulk.
+CREATE VIEW broker._plain_message_types AS
+SELECT cmt.contract_id, side.sent_by_initiator, t.name, t.message_type_id
+FROM broker.contract_message_types cmt
+JOIN broker.message_types t USING (message_type_id)
+CROSS JOIN (VALUES (true), (false)) AS side(sent_by_initiator)
+WHERE t.validation = 'none' AND t.name NOT LIKE 'broker.%'
+  AND cmt.sent_by IN ('any', CASE WHEN side.sent_by_initiator THEN 'initiator' ELSE 'target' END);
+
 ------------------------------------------------------------------------------
 -- Sending
 ------------------------------------------------------------------------------
@@ -36,6 +48,8 @@ DROP INDEX broker.transmission_queue_due;
 -- case) is locked, numbered and checked by one UPDATE and its message goes
 -- straight to the transmission queue; a local one, a type with validation,
 -- or anything that fails a check takes the general path with its errors.
+-- The notification carries the first hex digit of the handle, so that only
+-- the relay lane for that share of the handles wakes (an empty one wakes all).
 CREATE OR REPLACE FUNCTION broker.send(conversation_handle uuid, message_type text, body bytea DEFAULT NULL)
 RETURNS bigint
 LANGUAGE plpgsql AS $$
@@ -61,7 +75,7 @@ BEGIN
                                                to_service, message_type_id, body)
         VALUES (numbered.conversation_handle, numbered.send_sequence, numbered.conversation_id, numbered.far_service,
                 numbered.message_type_id, body);
-        PERFORM pg_notify('broker_transmission_queue', '');
+        PERFORM pg_notify('broker_transmission_queue', left(numbered.conversation_handle::text, 1));
         RETURN numbered.send_sequence;
     END IF;
 
@@ -87,6 +101,67 @@ BEGIN
 END $$;
 COMMENT ON FUNCTION broker.send(uuid, text, bytea) IS
     'Sends a message on a conversation; returns its sequence number.  Durable when the caller commits.';
+
+-- Sends many messages of one type at once, bodies[i] on conversation_handles[i]
+-- (bodies NULL: every body NULL).  A handle may appear more than once: its
+-- messages are numbered in the order given.  Returns the sequence numbers in
+-- that order.  All or nothing, with every check and error of broker.send.
+-- Conversations with a remote far side sending a type without validation (the
+-- common case) are locked in the order of their handles, numbered by one
+-- UPDATE and queued by one INSERT; anything else goes through broker.send
+-- one message at a time.
+CREATE FUNCTION broker.send_batch(conversation_handles uuid[], message_type text, bodies bytea[] DEFAULT NULL)
+RETURNS bigint[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    mt broker.message_types := broker._message_type(message_type);
+    given integer := cardinality(conversation_handles);
+    plain integer;
+    numbers bigint[];
+BEGIN
+    IF given IS NULL OR array_position(conversation_handles, NULL) IS NOT NULL THEN
+        PERFORM broker._raise('BR050', 'conversation_handles must be an array of conversation handles without NULL');
+    END IF;
+    IF cardinality(bodies) <> given THEN
+        PERFORM broker._raise('BR050', format('bodies has %s elements and conversation_handles %s: give one body per handle',
+            cardinality(bodies), given));
+    END IF;
+    SELECT count(*) INTO plain
+    FROM (SELECT e.contract_id, e.is_initiator FROM broker.endpoints e
+          WHERE e.conversation_handle = ANY (conversation_handles) AND e.state = 'conversing' AND NOT e.far_is_local
+          ORDER BY e.conversation_handle
+          FOR NO KEY UPDATE) e
+    JOIN broker._plain_message_types p
+      ON p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator AND p.message_type_id = mt.message_type_id;
+    IF plain < (SELECT count(DISTINCT h) FROM unnest(conversation_handles) h)
+       OR EXISTS (SELECT 1 FROM unnest(bodies) b WHERE octet_length(b) > (SELECT max_message_bytes FROM broker.node)) THEN
+        numbers := '{}';
+        FOR i IN 1 .. given LOOP
+            numbers := numbers || broker.send(conversation_handles[i], message_type, bodies[i]);
+        END LOOP;
+        RETURN numbers;
+    END IF;
+    WITH numbered AS (
+        SELECT g.k, g.h, e.send_sequence + row_number() OVER (PARTITION BY g.h ORDER BY g.k) AS sequence_number,
+               e.conversation_id, e.far_service, g.b
+        FROM unnest(conversation_handles, bodies) WITH ORDINALITY AS g(h, b, k)
+        JOIN broker.endpoints e ON e.conversation_handle = g.h
+        WHERE e.conversation_handle = ANY (conversation_handles)
+    ), queued AS (
+        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
+                                               to_service, message_type_id, body)
+        SELECT n.h, n.sequence_number, n.conversation_id, n.far_service, mt.message_type_id, n.b FROM numbered n
+    )
+    SELECT array_agg(n.sequence_number ORDER BY n.k) INTO numbers FROM numbered n;
+    UPDATE broker.endpoints e SET send_sequence = e.send_sequence + c.messages
+    FROM (SELECT h, count(*) AS messages FROM unnest(conversation_handles) h GROUP BY h) c
+    WHERE e.conversation_handle = c.h AND e.conversation_handle = ANY (conversation_handles);
+    PERFORM pg_notify('broker_transmission_queue', digit)
+    FROM (SELECT DISTINCT left(h::text, 1) AS digit FROM unnest(conversation_handles) h) digits;
+    RETURN coalesce(numbers, '{}');
+END $$;
+COMMENT ON FUNCTION broker.send_batch(uuid[], text, bytea[]) IS
+    'Sends bodies[i] on conversation_handles[i], all of one message type; returns the sequence numbers in order.';
 
 ------------------------------------------------------------------------------
 -- Receiving
@@ -226,73 +301,84 @@ BEGIN
     RETURN e.receive_sequence;
 END $$;
 
--- The message types each side of each contract may send that are stored
--- without a second look: application types without validation.  A message
--- of such a type within the size limit is "plain" for broker._accept_in_bulk.
-CREATE VIEW broker._plain_message_types AS
-SELECT cmt.contract_id, side.sent_by_initiator, t.name, t.message_type_id
-FROM broker.contract_message_types cmt
-JOIN broker.message_types t USING (message_type_id)
-CROSS JOIN (VALUES (true), (false)) AS side(sent_by_initiator)
-WHERE t.validation = 'none' AND t.name NOT LIKE 'broker.%'
-  AND cmt.sent_by IN ('any', CASE WHEN side.sent_by_initiator THEN 'initiator' ELSE 'target' END);
-
--- A conversation of a batch whose endpoint is here, and the messages of a
--- batch that come next, as broker._accept_in_bulk collects them.
-CREATE TYPE broker._bulk_conversation AS (
-    ord bigint, conversation_handle uuid, conversation_id uuid, sender_is_initiator boolean,
-    receive_sequence bigint, queue_id integer, conversation_group_id uuid, contract_id integer,
-    is_initiator boolean, messages jsonb
-);
-CREATE TYPE broker._bulk_message AS (
-    ord bigint, conversation_handle uuid, conversation_id uuid, queue_id integer, conversation_group_id uuid,
-    sequence_number bigint, message_type_id integer, body bytea, simple boolean
+-- One message of a transport batch, as it travels between nodes: a batch is
+-- PostgreSQL's binary COPY format of these rows, written by the sending
+-- node's COPY (SELECT * FROM broker.transport_batch(...)) TO STDOUT and read
+-- by the receiving node's COPY into a temporary table of this type.  Every
+-- row carries its conversation's header; a new conversation is opened with
+-- the header of its lowest-numbered message.
+CREATE TYPE broker.transport_message AS (
+    conversation_id      uuid,
+    sender_is_initiator  boolean,
+    from_service         text,
+    to_service           text,
+    contract             text,
+    expires_at           timestamptz,
+    sequence_number      bigint,
+    message_type         text,
+    body                 bytea
 );
 
--- The steady state of a batch in a few statements: new conversations, and
--- those whose endpoint is here, talks with the sending node, reads, and whose
--- queue is enabled, when every message that comes next is plain (see
--- broker._plain_message_types).  Returns their
--- results, keyed by their place in the batch; the caller takes the others
--- (new, refused, carrying system messages, ...) one by one.
-CREATE FUNCTION broker._accept_in_bulk(from_instance uuid, conversations jsonb) RETURNS jsonb
+-- A conversation of a batch whose endpoint here is locked for the batch.
+CREATE TYPE broker._batch_conversation AS (
+    conversation_handle uuid, conversation_id uuid, is_initiator boolean, receive_sequence bigint,
+    queue_id integer, conversation_group_id uuid, contract_id integer
+);
+
+-- Locks the endpoints of the batch's conversations that can take it in bulk,
+-- in the order of their conversation ids: one probe of the unique index each.
+CREATE FUNCTION broker._lock_batch_conversations(from_instance uuid) RETURNS broker._batch_conversation[]
 LANGUAGE plpgsql AS $$
-DECLARE
-    taken broker._bulk_conversation[];
-    incoming broker._bulk_message[];
-    unusual bigint[];
-    first_position bigint;
-    -- A body's size read off its base64 text (a hair above the true size: a body within a
-    -- few bytes of the limit takes the careful path, which measures it exactly).
-    limit_bytes integer := (SELECT max_message_bytes FROM broker.node);
-    results jsonb;
 BEGIN
-    -- New conversations for services here that take their contract: the target
-    -- endpoints, each in a new group, created together.
-    WITH listed AS (
-        SELECT c.h, (c.h ->> 'conversation_id')::uuid AS conversation_id,
-               count(*) OVER (PARTITION BY c.h ->> 'conversation_id') AS copies
-        FROM jsonb_array_elements(conversations) c(h)
-        WHERE (c.h ->> 'sender_is_initiator')::boolean
+    RETURN (
+    SELECT array_agg(ROW(e.conversation_handle, e.conversation_id, e.is_initiator, e.receive_sequence, e.queue_id,
+                         e.conversation_group_id, e.contract_id)::broker._batch_conversation)
+    FROM (SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_transport_batch b
+          ORDER BY b.conversation_id, b.sender_is_initiator) c,
+         LATERAL (SELECT e.* FROM broker.endpoints e
+                  WHERE e.conversation_id = c.conversation_id AND e.is_initiator = NOT c.sender_is_initiator
+                    AND NOT e.far_is_local AND e.far_broker_instance = from_instance
+                    AND e.state IN ('conversing', 'disconnected_inbound')
+                    AND (SELECT q.is_enabled FROM broker.queues q WHERE q.queue_id = e.queue_id)
+                  FOR UPDATE) e);
+END $$;
+
+-- Opens the batch's new conversations for services here that take their
+-- contract, when all their messages are plain: the target endpoints, each in
+-- a new group, created together.
+CREATE FUNCTION broker._open_batch_conversations(from_instance uuid, limit_bytes integer) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    WITH new_conversations AS (
+        SELECT b.conversation_id, array_agg(DISTINCT b.message_type) AS message_types,
+               max(coalesce(octet_length(b.body), 0)) AS largest_body
+        FROM pg_temp.incoming_transport_batch b
+        WHERE b.sender_is_initiator
+        GROUP BY b.conversation_id
+        HAVING NOT EXISTS (SELECT 1 FROM broker.endpoints e
+                           WHERE e.conversation_id = b.conversation_id AND NOT e.is_initiator)
+           AND NOT EXISTS (SELECT 1 FROM broker.forgotten_conversations f
+                           WHERE f.conversation_id = b.conversation_id AND NOT f.is_initiator)
+    ), headers AS (  -- each new conversation's header, from its lowest-numbered message
+        SELECT DISTINCT ON (b.conversation_id) b.*
+        FROM pg_temp.incoming_transport_batch b
+        JOIN new_conversations n ON n.conversation_id = b.conversation_id
+        WHERE b.sender_is_initiator
+        ORDER BY b.conversation_id, b.sequence_number
+    ), plain AS (
+        SELECT p.contract_id, array_agg(p.name) AS message_types
+        FROM broker._plain_message_types p WHERE p.sent_by_initiator GROUP BY p.contract_id
     ), opening AS (
-        SELECT gen_random_uuid() AS conversation_group_id, l.conversation_id, s.service_id, s.queue_id,
-               ct.contract_id, broker._check_name('service', l.h ->> 'from_service') AS far_service,
-               (l.h ->> 'expires_at')::timestamptz AS expires_at
-        FROM listed l
-        JOIN broker.services s ON s.name = l.h ->> 'to_service'
+        SELECT gen_random_uuid() AS conversation_group_id, h.conversation_id, s.service_id, s.queue_id,
+               ct.contract_id, broker._check_name('service', h.from_service) AS far_service, h.expires_at
+        FROM new_conversations n
+        JOIN headers h ON h.conversation_id = n.conversation_id
+        JOIN broker.services s ON s.name = h.to_service
         JOIN broker.queues q ON q.queue_id = s.queue_id AND q.is_enabled
-        JOIN broker.contracts ct ON ct.name = l.h ->> 'contract'
+        JOIN broker.contracts ct ON ct.name = h.contract
         JOIN broker.service_contracts sc ON sc.service_id = s.service_id AND sc.contract_id = ct.contract_id
-        WHERE l.copies = 1
-          AND NOT EXISTS (SELECT 1 FROM broker.endpoints e
-                          WHERE e.conversation_id = l.conversation_id AND NOT e.is_initiator)
-          AND NOT EXISTS (SELECT 1 FROM broker.forgotten_conversations f
-                          WHERE f.conversation_id = l.conversation_id AND NOT f.is_initiator)
-          AND jsonb_typeof(l.h -> 'messages') = 'array'
-          AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(l.h -> 'messages') m
-                          LEFT JOIN broker._plain_message_types p
-                                 ON p.contract_id = ct.contract_id AND p.sent_by_initiator AND p.name = m ->> 'message_type'
-                          WHERE p.name IS NULL OR coalesce(length(m ->> 'body'), 0) / 4 * 3 > limit_bytes)
+        JOIN plain ON plain.contract_id = ct.contract_id
+        WHERE n.message_types <@ plain.message_types AND n.largest_body <= limit_bytes
     ), opened_groups AS (
         INSERT INTO broker.conversation_groups (conversation_group_id, queue_id)
         SELECT conversation_group_id, queue_id FROM opening
@@ -303,151 +389,161 @@ BEGIN
     SELECT gen_random_uuid(), o.conversation_id, false, o.conversation_group_id, o.service_id, o.queue_id,
            o.far_service, false, from_instance, o.contract_id, o.expires_at
     FROM opening o;
+END $$;
 
-    WITH listed AS (
-        SELECT c.ord, c.h, (c.h ->> 'conversation_id')::uuid AS conversation_id,
-               (c.h ->> 'sender_is_initiator')::boolean AS sender_is_initiator,
-               count(*) OVER (PARTITION BY c.h ->> 'conversation_id') AS copies
-        FROM jsonb_array_elements(conversations) WITH ORDINALITY AS c(h, ord)
-    ), locked AS (
-        SELECT l.ord, e.conversation_handle, e.conversation_id, l.sender_is_initiator, e.receive_sequence, e.queue_id,
-               e.conversation_group_id, e.contract_id, e.is_initiator, l.h -> 'messages' AS messages
-        FROM listed l
-        JOIN broker.endpoints e ON e.conversation_id = l.conversation_id AND e.is_initiator = NOT l.sender_is_initiator
-        WHERE l.copies = 1 AND jsonb_typeof(l.h -> 'messages') = 'array'
-          AND NOT e.far_is_local AND e.far_broker_instance = from_instance
-          AND e.state IN ('conversing', 'disconnected_inbound')
-          AND (SELECT q.is_enabled FROM broker.queues q WHERE q.queue_id = e.queue_id)
-        ORDER BY e.conversation_handle
-        FOR UPDATE OF e
-    )
-    SELECT array_agg(ROW(l.ord, l.conversation_handle, l.conversation_id, l.sender_is_initiator, l.receive_sequence,
-                         l.queue_id, l.conversation_group_id, l.contract_id, l.is_initiator,
-                         l.messages)::broker._bulk_conversation)
-    INTO taken FROM locked l;
+-- The steady state of a batch in a few statements: the batch's conversations
+-- that are new here, or whose endpoint talks with the sending node, reads, and
+-- has its queue enabled, when every message that comes next is plain.  The
+-- batch is in pg_temp.incoming_transport_batch.  Returns their results; the
+-- caller takes the others (refused, carrying system messages, ...) one by one.
+CREATE FUNCTION broker._accept_in_bulk(from_instance uuid) RETURNS jsonb
+LANGUAGE plpgsql
+-- A small batch reuses one plan; a large one is planned for its size, since a
+-- plan made for a few rows could rescan a large batch once per conversation.
+-- Planning costs a few milliseconds: too much for a batch of a few messages.
+SET plan_cache_mode = auto AS $$
+DECLARE
+    limit_bytes integer := (SELECT max_message_bytes FROM broker.node);
+    taken broker._batch_conversation[];
+    results jsonb;
+    queues integer[];
+BEGIN
+    PERFORM set_config('plan_cache_mode', CASE WHEN (SELECT count(*) FROM pg_temp.incoming_transport_batch) > 100
+                                               THEN 'force_custom_plan' ELSE 'force_generic_plan' END, true);
+    taken := broker._lock_batch_conversations(from_instance);
+    IF EXISTS (SELECT b.conversation_id FROM pg_temp.incoming_transport_batch b WHERE b.sender_is_initiator
+               EXCEPT SELECT t.conversation_id FROM unnest(taken) t) THEN
+        PERFORM broker._open_batch_conversations(from_instance, limit_bytes);
+        taken := broker._lock_batch_conversations(from_instance);
+    END IF;
     IF taken IS NULL THEN
-        RETURN '{}';
+        RETURN '[]';
     END IF;
 
-    -- Each conversation's run of numbers after receive_sequence without a gap, checked.
+    -- Each conversation's run of numbers after receive_sequence without a gap;
+    -- a conversation is taken here only when all of its run is plain.
     WITH fresh AS (
-        SELECT DISTINCT ON (c.ord, n) c.*, n, m
-        FROM unnest(taken) c, jsonb_array_elements(c.messages) m, CAST(m ->> 'sequence_number' AS bigint) n
-        WHERE n > c.receive_sequence
-        ORDER BY c.ord, n
+        SELECT DISTINCT ON (t.conversation_handle, b.sequence_number) t.*, b.sequence_number, b.message_type, b.body
+        FROM unnest(taken) t
+        JOIN pg_temp.incoming_transport_batch b
+          ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
+        WHERE b.sequence_number > t.receive_sequence
+        ORDER BY t.conversation_handle, b.sequence_number
     ), next_run AS (
-        SELECT f.*, row_number() OVER (PARTITION BY f.ord ORDER BY f.n) AS k FROM fresh f
-    )
-    SELECT array_agg(ROW(r.ord, r.conversation_handle, r.conversation_id, r.queue_id, r.conversation_group_id, r.n,
-                         p.message_type_id, decode(r.m ->> 'body', 'base64'),
-                         p.name IS NOT NULL AND coalesce(length(r.m ->> 'body'), 0) / 4 * 3 <= limit_bytes
-                        )::broker._bulk_message)
-    INTO incoming
-    FROM next_run r
-    LEFT JOIN broker._plain_message_types p
-           ON p.contract_id = r.contract_id AND p.sent_by_initiator = NOT r.is_initiator
-          AND p.name = r.m ->> 'message_type'
-    WHERE r.n = r.receive_sequence + r.k;
-
-    -- Conversations with anything unusual go the careful way, all of their messages with them.
-    SELECT array_agg(DISTINCT i.ord) INTO unusual FROM unnest(incoming) i WHERE NOT i.simple;
-    IF unusual IS NOT NULL THEN
-        SELECT array_agg(c) INTO taken FROM unnest(taken) c WHERE c.ord <> ALL (unusual);
-        SELECT array_agg(i) INTO incoming FROM unnest(incoming) i WHERE i.ord <> ALL (unusual);
-    END IF;
-    IF taken IS NULL THEN
-        RETURN '{}';
-    END IF;
-
-    IF incoming IS NOT NULL THEN
-        first_position := broker._next_queue_positions(cardinality(incoming));
+        SELECT f.*, row_number() OVER (PARTITION BY f.conversation_handle ORDER BY f.sequence_number) AS k
+        FROM fresh f
+    ), judged AS (
+        SELECT r.*, p.message_type_id,
+               bool_and(p.name IS NOT NULL AND coalesce(octet_length(r.body), 0) <= limit_bytes)
+                   OVER (PARTITION BY r.conversation_handle) AS plain
+        FROM next_run r
+        LEFT JOIN broker._plain_message_types p
+               ON p.contract_id = r.contract_id AND p.sent_by_initiator = NOT r.is_initiator
+              AND p.name = r.message_type
+        WHERE r.sequence_number = r.receive_sequence + r.k
+    ), accepted AS (
+        SELECT j.*, row_number() OVER (ORDER BY j.conversation_handle, j.sequence_number) AS place
+        FROM judged j WHERE j.plain
+    ), stored AS (
         INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
                                            conversation_id, message_sequence_number, message_type_id, body)
-        SELECT i.queue_id, first_position + row_number() OVER (ORDER BY i.ord, i.sequence_number) - 1,
-               i.conversation_group_id, i.conversation_handle, i.conversation_id, i.sequence_number,
-               i.message_type_id, i.body
-        FROM unnest(incoming) i;
+        SELECT a.queue_id, (SELECT broker._next_queue_positions(count(*)::integer) FROM accepted) + a.place - 1,
+               a.conversation_group_id, a.conversation_handle, a.conversation_id, a.sequence_number,
+               a.message_type_id, a.body
+        FROM accepted a
+        RETURNING queue_id
+    ), moved_on AS (
         UPDATE broker.endpoints e SET receive_sequence = last.sequence_number
-        FROM (SELECT i.conversation_handle, max(i.sequence_number) AS sequence_number
-              FROM unnest(incoming) i GROUP BY i.conversation_handle) last
-        WHERE e.conversation_handle = last.conversation_handle;
-        PERFORM pg_notify('broker_queue', queue_id::text) FROM (SELECT DISTINCT i.queue_id FROM unnest(incoming) i) q;
-    END IF;
-
-    SELECT jsonb_object_agg(c.ord::text, jsonb_build_object(
-               'conversation_id', c.conversation_id, 'sender_is_initiator', c.sender_is_initiator,
-               'acknowledged', greatest(c.receive_sequence, last.sequence_number)))
-    INTO results
-    FROM unnest(taken) c
-    LEFT JOIN (SELECT i.ord, max(i.sequence_number) AS sequence_number FROM unnest(incoming) i GROUP BY i.ord) last
-           ON last.ord = c.ord;
+        FROM (SELECT a.conversation_handle, max(a.sequence_number) AS sequence_number
+              FROM accepted a GROUP BY a.conversation_handle) last
+        WHERE e.conversation_handle = last.conversation_handle
+        RETURNING e.conversation_handle, e.receive_sequence
+    )
+    SELECT coalesce(jsonb_agg(jsonb_build_object(
+               'conversation_id', t.conversation_id, 'sender_is_initiator', NOT t.is_initiator,
+               'acknowledged', coalesce(m.receive_sequence, t.receive_sequence))), '[]'),
+           (SELECT array_agg(DISTINCT queue_id) FROM stored)
+    INTO results, queues
+    FROM unnest(taken) t
+    LEFT JOIN moved_on m ON m.conversation_handle = t.conversation_handle
+    WHERE NOT EXISTS (SELECT 1 FROM judged j WHERE j.conversation_handle = t.conversation_handle AND NOT j.plain);
+    PERFORM pg_notify('broker_queue', q::text) FROM unnest(queues) q;
     RETURN results;
 END $$;
 
--- As in revision 0002: the steady state in bulk, the rest one conversation
--- at a time, each in a subtransaction of its own so that a bad conversation
--- never spoils the rest.  Anything the bulk path trips over sends the whole
--- batch the careful way.
-CREATE OR REPLACE FUNCTION broker.accept_transport_batch(from_instance uuid, batch jsonb) RETURNS jsonb
+-- As in revision 0002, with the batch in pg_temp.incoming_transport_batch
+-- (rows of broker.transport_message, filled by COPY in this transaction): the
+-- steady state in bulk, the rest one conversation at a time, each in a
+-- subtransaction of its own so that a bad conversation never spoils the rest.
+-- Anything the bulk path trips over sends the whole batch the careful way.
+DROP FUNCTION broker.accept_transport_batch(uuid, jsonb);
+CREATE FUNCTION broker.accept_transport_batch(from_instance uuid) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
     in_bulk jsonb;
-    results jsonb;
+    one_by_one jsonb;
 BEGIN
-    IF jsonb_typeof(batch -> 'conversations') IS DISTINCT FROM 'array' THEN
-        PERFORM broker._raise('BR050', 'a transport batch is {"conversations": [...]}');
-    END IF;
     BEGIN
-        in_bulk := broker._accept_in_bulk(from_instance, batch -> 'conversations');
+        in_bulk := broker._accept_in_bulk(from_instance);
     EXCEPTION WHEN OTHERS THEN
-        in_bulk := '{}';
+        in_bulk := '[]';
     END;
-    SELECT coalesce(jsonb_agg(coalesce(in_bulk -> c.ord::text, broker._accept_conversation(from_instance, c.h))
-                              ORDER BY c.ord), '[]')
-    INTO results
-    FROM jsonb_array_elements(batch -> 'conversations') WITH ORDINALITY AS c(h, ord);
-    RETURN jsonb_build_object('broker_instance', (SELECT broker_instance FROM broker.node), 'results', results);
+    WITH taken_in_bulk AS (
+        SELECT * FROM jsonb_to_recordset(in_bulk) AS r(conversation_id uuid, sender_is_initiator boolean)
+    ), left_over AS (
+        SELECT b.conversation_id, b.sender_is_initiator,
+               (array_agg(jsonb_build_object('conversation_id', b.conversation_id,
+                                             'sender_is_initiator', b.sender_is_initiator,
+                                             'from_service', b.from_service, 'to_service', b.to_service,
+                                             'contract', b.contract, 'expires_at', b.expires_at)
+                          ORDER BY b.sequence_number))[1] AS header,
+               jsonb_agg(jsonb_build_object('sequence_number', b.sequence_number, 'message_type', b.message_type,
+                                            'body', encode(b.body, 'base64')) ORDER BY b.sequence_number) AS messages
+        FROM pg_temp.incoming_transport_batch b
+        WHERE NOT EXISTS (SELECT 1 FROM taken_in_bulk t
+                          WHERE t.conversation_id = b.conversation_id AND t.sender_is_initiator = b.sender_is_initiator)
+        GROUP BY b.conversation_id, b.sender_is_initiator
+    )
+    SELECT coalesce(jsonb_agg(broker._accept_conversation(from_instance,
+                                                          l.header || jsonb_build_object('messages', l.messages))),
+                    '[]')
+    INTO one_by_one
+    FROM left_over l;
+    RETURN jsonb_build_object('broker_instance', (SELECT broker_instance FROM broker.node),
+                              'results', in_bulk || one_by_one);
 END $$;
+COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
+    'Stores what comes next of each conversation of the batch in pg_temp.incoming_transport_batch; returns the acknowledgements.';
 
 ------------------------------------------------------------------------------
 -- Building a batch
 ------------------------------------------------------------------------------
 
--- As in revision 0002, with the waiting messages read in the order of the
--- transmission queue's key, up to max_messages, rather than all of them
--- sorted: a long queue (a peer down for days) costs a batch no more than a
--- short one.  The batch is built as json text (the relay sends it as it is),
--- not as jsonb.
+-- As in revision 0002, as rows of broker.transport_message for COPY, and for
+-- the conversations whose handles fall in [first_handle, last_handle]: a
+-- relay splits the conversations among lanes that send at once.  The waiting
+-- messages are read in the order of the transmission queue's key, up to
+-- max_messages, rather than all of them sorted: a long queue (a peer down for
+-- days) costs a batch no more than a short one.
 DROP FUNCTION broker.transport_batch(text, integer);
-CREATE FUNCTION broker.transport_batch(destination text, max_messages integer) RETURNS json
-LANGUAGE sql STABLE AS $$
-    WITH due AS (
-        SELECT t.* FROM broker.transmission_queue t
-        WHERE t.to_service = ANY (ARRAY(SELECT r.service_name FROM broker.routes r WHERE r.address = destination))
-          AND t.next_attempt_at <= now()
-        ORDER BY t.conversation_handle, t.message_sequence_number
-        LIMIT max_messages
-    ), conversations AS (
-        SELECT json_build_object(
-                   'conversation_id', e.conversation_id,
-                   'sender_is_initiator', e.is_initiator,
-                   'from_service', s.name,
-                   'to_service', e.far_service,
-                   'contract', c.name,
-                   'expires_at', e.expires_at,
-                   'messages', json_agg(json_build_object(
-                       'sequence_number', due.message_sequence_number,
-                       'message_type', mt.name,
-                       'body', encode(due.body, 'base64')) ORDER BY due.message_sequence_number)) AS conversation
-        FROM due
-        JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle
-        JOIN broker.services s ON s.service_id = e.service_id
-        JOIN broker.contracts c ON c.contract_id = e.contract_id
-        JOIN broker.message_types mt ON mt.message_type_id = due.message_type_id
-        GROUP BY e.conversation_handle, e.conversation_id, e.is_initiator, s.name, e.far_service, c.name, e.expires_at
-    )
-    SELECT json_build_object('conversations', coalesce(json_agg(conversation), '[]'::json)) FROM conversations
-$$;
+CREATE FUNCTION broker.transport_batch(destination text, max_messages integer, first_handle uuid, last_handle uuid)
+RETURNS SETOF broker.transport_message
+LANGUAGE plpgsql STABLE AS $$
+BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made again for each
+    RETURN QUERY
+    SELECT e.conversation_id, e.is_initiator, s.name, e.far_service, c.name, e.expires_at,
+           due.message_sequence_number, mt.name, due.body
+    FROM (SELECT t.* FROM broker.transmission_queue t
+          WHERE t.conversation_handle BETWEEN first_handle AND last_handle
+            AND t.to_service = ANY (ARRAY(SELECT r.service_name FROM broker.routes r WHERE r.address = destination))
+            AND t.next_attempt_at <= now()
+          ORDER BY t.conversation_handle, t.message_sequence_number
+          LIMIT max_messages) due
+    JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle
+    JOIN broker.services s ON s.service_id = e.service_id
+    JOIN broker.contracts c ON c.contract_id = e.contract_id
+    JOIN broker.message_types mt ON mt.message_type_id = due.message_type_id;
+END $$;
 
 ------------------------------------------------------------------------------
 -- Applying the answer
@@ -503,3 +599,24 @@ BEGIN
     END LOOP;
     RETURN delivered;
 END $$;
+
+-- As in revision 0002, for the conversations of one lane of a relay: every
+-- message of the lane waiting for the destination gets the reason in words
+-- and its next attempt after the relay's back-off.
+DROP FUNCTION broker.record_transport_failure(text, text, interval);
+CREATE FUNCTION broker.record_transport_failure(destination text, first_handle uuid, last_handle uuid, reason text,
+                                                retry_after interval) RETURNS void
+LANGUAGE sql AS $$
+    UPDATE broker.transmission_queue t
+    SET attempts = t.attempts + 1,
+        next_attempt_at = now() + retry_after,
+        transmission_status = format('%s (attempt %s, next at %s)', reason, t.attempts + 1,
+                                     to_char(now() + retry_after, 'YYYY-MM-DD HH24:MI:SS TZ'))
+    FROM broker.routes r
+    WHERE r.service_name = t.to_service AND r.address = destination
+      AND t.conversation_handle BETWEEN first_handle AND last_handle
+$$;
+
+-- The relay keeps its back-off in memory and asks each destination for a
+-- batch: nothing scans the whole transmission queue to find what is due.
+DROP VIEW broker.transport_destinations;
