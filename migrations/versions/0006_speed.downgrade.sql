@@ -202,6 +202,82 @@ BEGIN
     ORDER BY m.conversation_handle, m.message_sequence_number;
 END $$;
 
+CREATE OR REPLACE FUNCTION broker._lock_group(q broker.queues, requested_group uuid) RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    candidate uuid;
+    tried uuid[] := '{}';
+BEGIN
+    IF requested_group IS NOT NULL THEN
+        PERFORM 1 FROM broker.conversation_groups
+        WHERE conversation_group_id = requested_group AND queue_id = q.queue_id
+        FOR NO KEY UPDATE SKIP LOCKED;
+        RETURN CASE WHEN FOUND AND broker._free_of_lease(q, requested_group) THEN requested_group END;
+    END IF;
+    -- Fast path: groups of the messages at the head of the queue.
+    FOR candidate IN
+        SELECT conversation_group_id FROM broker.queue_messages
+        WHERE queue_id = q.queue_id AND received_at IS NULL
+        ORDER BY queue_position LIMIT 200
+    LOOP
+        CONTINUE WHEN candidate = ANY (tried);
+        tried := tried || candidate;
+        CONTINUE WHEN broker._leased(candidate);  -- checked before locking, so a lease holder never waits on us
+        PERFORM 1 FROM broker.conversation_groups WHERE conversation_group_id = candidate
+        FOR NO KEY UPDATE SKIP LOCKED;
+        IF FOUND AND broker._free_of_lease(q, candidate) AND EXISTS (
+                SELECT 1 FROM broker.queue_messages
+                WHERE conversation_group_id = candidate AND queue_id = q.queue_id AND received_at IS NULL) THEN
+            RETURN candidate;
+        END IF;
+    END LOOP;
+    -- The head belongs to groups held by others: look at every group of the queue.
+    FOR candidate IN
+        SELECT g.conversation_group_id
+        FROM broker.conversation_groups g
+        WHERE g.queue_id = q.queue_id
+          AND g.conversation_group_id <> ALL (tried)
+          AND NOT broker._leased(g.conversation_group_id)
+          AND EXISTS (SELECT 1 FROM broker.queue_messages m
+                      WHERE m.conversation_group_id = g.conversation_group_id AND m.queue_id = q.queue_id
+                        AND m.received_at IS NULL)
+        LIMIT 1
+        FOR NO KEY UPDATE OF g SKIP LOCKED
+    LOOP
+        IF broker._free_of_lease(q, candidate) THEN
+            RETURN candidate;
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE FUNCTION broker._wait_for_group(q broker.queues, requested_group uuid, wait_ms integer) RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    deadline timestamptz := clock_timestamp() + make_interval(secs => wait_ms / 1000.0);
+    pause double precision := 0.005;
+    locked_group uuid;
+BEGIN
+    IF wait_ms < 0 THEN
+        PERFORM broker._raise('BR050', format('wait_ms must not be negative, got %s', wait_ms));
+    END IF;
+    -- Marks this transaction as a reader of the queue (see broker.queue_status).
+    PERFORM pg_advisory_xact_lock_shared(1651663723, q.queue_id);
+    LOOP
+        PERFORM broker._fire_due_events(q.queue_id);
+        locked_group := broker._lock_group(q, requested_group);
+        IF locked_group IS NOT NULL AND EXISTS (
+                SELECT 1 FROM broker.queue_messages
+                WHERE conversation_group_id = locked_group AND queue_id = q.queue_id AND received_at IS NULL) THEN
+            RETURN locked_group;
+        END IF;
+        EXIT WHEN clock_timestamp() >= deadline;
+        PERFORM pg_sleep(least(pause, extract(epoch FROM deadline - clock_timestamp())));
+        pause := least(pause * 2, 0.1);
+    END LOOP;
+    RETURN NULL;
+END $$;
+
 DROP FUNCTION broker._accept_in_bulk(uuid);
 DROP FUNCTION broker._open_batch_conversations(uuid, integer);
 DROP FUNCTION broker._lock_batch_conversations(uuid);

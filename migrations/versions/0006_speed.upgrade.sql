@@ -167,9 +167,77 @@ COMMENT ON FUNCTION broker.send_batch(uuid[], text, bytea[]) IS
 -- Receiving
 ------------------------------------------------------------------------------
 
+-- As in revision 0003, with the head of the queue walked by one statement
+-- that passes over the groups other readers hold (SKIP LOCKED) or lease,
+-- however many there are, rather than looking at the first 200 messages and
+-- then at every group of the queue.  Leases are looked for message by message
+-- only when the queue has any.  A lease committed before the group was locked
+-- is seen by the check that follows, and then the walk looks for leases; none
+-- can be taken after the group is locked.
+CREATE OR REPLACE FUNCTION broker._lock_group(q broker.queues, requested_group uuid) RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    candidate uuid;
+    leases_here boolean := EXISTS (SELECT 1 FROM broker.leases l WHERE l.queue_id = q.queue_id);
+BEGIN
+    IF requested_group IS NOT NULL THEN
+        PERFORM 1 FROM broker.conversation_groups
+        WHERE conversation_group_id = requested_group AND queue_id = q.queue_id
+        FOR NO KEY UPDATE SKIP LOCKED;
+        RETURN CASE WHEN FOUND AND broker._free_of_lease(q, requested_group) THEN requested_group END;
+    END IF;
+    LOOP
+        SELECT g.conversation_group_id INTO candidate
+        FROM broker.queue_messages m
+        JOIN broker.conversation_groups g ON g.conversation_group_id = m.conversation_group_id
+        WHERE m.queue_id = q.queue_id AND m.received_at IS NULL
+          AND (NOT leases_here OR NOT EXISTS (SELECT 1 FROM broker.leases l
+                                              WHERE l.conversation_group_id = m.conversation_group_id
+                                                AND l.expires_at > clock_timestamp()))
+        ORDER BY m.queue_position
+        LIMIT 1
+        FOR NO KEY UPDATE OF g SKIP LOCKED;
+        IF candidate IS NULL OR NOT EXISTS (SELECT 1 FROM broker.leases l WHERE l.conversation_group_id = candidate)
+           OR broker._free_of_lease(q, candidate) THEN
+            RETURN candidate;
+        END IF;
+        leases_here := true;
+    END LOOP;
+END $$;
+
+-- As in revision 0001; a group found at the head of the queue has messages,
+-- so only a requested group is looked at again.
+CREATE OR REPLACE FUNCTION broker._wait_for_group(q broker.queues, requested_group uuid, wait_ms integer) RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    deadline timestamptz := clock_timestamp() + make_interval(secs => wait_ms / 1000.0);
+    pause double precision := 0.005;
+    locked_group uuid;
+BEGIN
+    IF wait_ms < 0 THEN
+        PERFORM broker._raise('BR050', format('wait_ms must not be negative, got %s', wait_ms));
+    END IF;
+    -- Marks this transaction as a reader of the queue (see broker.queue_status).
+    PERFORM pg_advisory_xact_lock_shared(1651663723, q.queue_id);
+    LOOP
+        PERFORM broker._fire_due_events(q.queue_id);
+        locked_group := broker._lock_group(q, requested_group);
+        IF locked_group IS NOT NULL AND (requested_group IS NULL OR EXISTS (
+                SELECT 1 FROM broker.queue_messages
+                WHERE conversation_group_id = locked_group AND queue_id = q.queue_id AND received_at IS NULL)) THEN
+            RETURN locked_group;
+        END IF;
+        EXIT WHEN clock_timestamp() >= deadline;
+        PERFORM pg_sleep(least(pause, extract(epoch FROM deadline - clock_timestamp())));
+        pause := least(pause * 2, 0.1);
+    END LOOP;
+    RETURN NULL;
+END $$;
+
 -- As in revision 0001, with the group's messages picked by the group alone (a
 -- group belongs to one queue): they come in the order of the group index,
--- and the walk stops at max_messages.
+-- the walk stops at max_messages, and what is returned comes from the rows
+-- consumed (or kept, with retention) rather than from reading them again.
 CREATE OR REPLACE FUNCTION broker.receive(queue text, max_messages integer DEFAULT 1, conversation_group uuid DEFAULT NULL,
                                wait_ms integer DEFAULT 0)
 RETURNS SETOF broker.received_message
@@ -185,26 +253,33 @@ BEGIN
     IF locked_group IS NULL THEN
         RETURN;
     END IF;
+    -- Without retention every row of the queue waits (received rows are deleted):
+    -- said so, the walk takes the group index alone, in its order.
     RETURN QUERY
     WITH picked AS (
         SELECT m.queue_position FROM broker.queue_messages m
-        WHERE m.conversation_group_id = locked_group AND m.received_at IS NULL
+        WHERE m.conversation_group_id = locked_group AND (NOT q.retention OR m.received_at IS NULL)
         ORDER BY m.conversation_handle, m.message_sequence_number
         LIMIT max_messages
     ), consumed AS (
         DELETE FROM broker.queue_messages m USING picked
         WHERE NOT q.retention AND m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+        RETURNING m.*
     ), retained AS (
         UPDATE broker.queue_messages m SET received_at = now() FROM picked
         WHERE q.retention AND m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+        RETURNING m.*
+    ), names AS (  -- of the group's endpoints, once each
+        SELECT e.conversation_handle, s.name AS service_name, c.name AS contract_name
+        FROM broker.endpoints e
+        JOIN broker.services s ON s.service_id = e.service_id
+        JOIN broker.contracts c ON c.contract_id = e.contract_id
+        WHERE e.conversation_group_id = locked_group
     )
     SELECT m.queue_position, m.conversation_group_id, m.conversation_handle, m.conversation_id,
-           m.message_sequence_number, s.name, c.name, mt.name, m.body, m.enqueued_at
-    FROM picked
-    JOIN broker.queue_messages m ON m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
-    JOIN broker.endpoints e ON e.conversation_handle = m.conversation_handle
-    JOIN broker.services s ON s.service_id = e.service_id
-    JOIN broker.contracts c ON c.contract_id = e.contract_id
+           m.message_sequence_number, n.service_name, n.contract_name, mt.name, m.body, m.enqueued_at
+    FROM (SELECT * FROM consumed UNION ALL SELECT * FROM retained) m
+    JOIN names n ON n.conversation_handle = m.conversation_handle
     JOIN broker.message_types mt ON mt.message_type_id = m.message_type_id
     ORDER BY m.conversation_handle, m.message_sequence_number;
 END $$;
