@@ -93,7 +93,8 @@ class EmbeddedPostgres:
                      "reattached to" if self.owned else "joined", running.port, running.pid)
         else:
             self.port = self.port or _free_port()  # a restart keeps its port, so URLs stay valid
-            options = f"-h 127.0.0.1 -p {self.port} -k ''"
+            # Queue tables are emptied all day: autovacuum looks at them every few seconds, not every minute.
+            options = f"-h 127.0.0.1 -p {self.port} -k '' -c autovacuum_naptime=5s"
             try:
                 self._pg_ctl("-w", "-t", "60", "-o", options, "-l", str(self.log_file), "-D", str(self.pgdata), "start")
             except subprocess.CalledProcessError as error:

@@ -87,15 +87,18 @@ def run(nodes: TwoNodes, minutes: float, rate: int, report: Callable[[str], None
     start_rate = statistics.median(s["msgs_per_s"] for s in curve[:quarter])
     end_rate = statistics.median(s["msgs_per_s"] for s in curve[-quarter:])
     growth = {name: curve[-1][f"{name}_rss_mb"] / curve[0][f"{name}_rss_mb"] - 1 for name in ("relay", "api")}
+    # Bounded: once the long transaction has ended, vacuum brings the dead rows back down, below half
+    # their peak or to where they were before the transaction began, whichever is higher.
     peak_dead = max(s["dead_tuples"] for s in curve)
-    after = [s["dead_tuples"] for s in curve if s["t_s"] > 2 * duration_s / 3 + 2 * SAMPLE_EVERY_S]
-    bounded = bool(after) and after[-1] <= max(peak_dead, 1)
+    before_hold = max([s["dead_tuples"] for s in curve if s["t_s"] < duration_s / 3] or [0])
+    bounded = curve[-1]["dead_tuples"] <= max(peak_dead / 2, before_hold)
     met = abs(end_rate / start_rate - 1) <= 0.2 and max(growth.values()) < 0.1 and bounded
     return ScenarioResult(
         f"soak, {minutes:g} min at {rate:,} msgs/s offered", Measurement("delivered, end of run", "msgs/s", [end_rate]),
         Measurement("delivered, start of run", "msgs/s", [start_rate]),
         target="throughput within 20% of its start, memory growth < 10%, dead tuples bounded", met=met,
-        details={"rss_growth": growth, "peak_dead_tuples": peak_dead, "dead_tuples_at_end": curve[-1]["dead_tuples"],
+        details={"rss_growth": growth, "peak_dead_tuples": peak_dead, "dead_tuples_before_the_hold": before_hold,
+                 "dead_tuples_at_end": curve[-1]["dead_tuples"], "dead_tuples_bounded": bounded,
                  "long_transaction": "held open on B through the middle third"},
         series={"soak": curve})
 

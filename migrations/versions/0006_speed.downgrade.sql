@@ -22,9 +22,9 @@ DROP INDEX broker.queue_messages_waiting;
 CREATE INDEX transmission_queue_due ON broker.transmission_queue (next_attempt_at);
 ALTER TABLE broker.endpoints RESET (fillfactor);
 ALTER TABLE broker.queue_messages RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
-                                         autovacuum_vacuum_insert_scale_factor);
+                                         autovacuum_vacuum_insert_scale_factor, autovacuum_vacuum_cost_delay);
 ALTER TABLE broker.transmission_queue RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
-                                             autovacuum_vacuum_insert_scale_factor);
+                                             autovacuum_vacuum_insert_scale_factor, autovacuum_vacuum_cost_delay);
 
 CREATE OR REPLACE FUNCTION broker.send(conversation_handle uuid, message_type text, body bytea DEFAULT NULL) RETURNS bigint
 LANGUAGE plpgsql AS $$

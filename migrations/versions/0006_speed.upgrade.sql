@@ -11,12 +11,13 @@
 ALTER TABLE broker.endpoints SET (fillfactor = 70);
 
 -- Queue tables are written and emptied all day: vacuum them after a small
--- share of dead rows rather than the default fifth of the table, so a steady
--- stream reuses the same pages.
+-- share of dead rows rather than the default fifth of the table, and without
+-- the cost-based pauses, so a steady stream reuses the same pages.
 ALTER TABLE broker.queue_messages SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
-                                       autovacuum_vacuum_insert_scale_factor = 0.01);
+                                       autovacuum_vacuum_insert_scale_factor = 0.01, autovacuum_vacuum_cost_delay = 0);
 ALTER TABLE broker.transmission_queue SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
-                                           autovacuum_vacuum_insert_scale_factor = 0.01);
+                                           autovacuum_vacuum_insert_scale_factor = 0.01,
+                                           autovacuum_vacuum_cost_delay = 0);
 
 -- A receive starts from the oldest waiting messages of its queue: an index
 -- of exactly those keeps that a short walk, however many received messages a
@@ -401,7 +402,9 @@ CREATE TYPE broker._batch_conversation AS (
 );
 
 -- Locks the endpoints of the batch's conversations that can take it in bulk,
--- in the order of their conversation ids: one probe of the unique index each.
+-- in the order of their conversation ids: one probe of the unique index each,
+-- whatever the plan (a join here could be planned to rescan the batch once per
+-- endpoint).
 CREATE FUNCTION broker._lock_batch_conversations(from_instance uuid) RETURNS broker._batch_conversation[]
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -472,19 +475,13 @@ END $$;
 -- batch is in pg_temp.incoming_transport_batch.  Returns their results; the
 -- caller takes the others (refused, carrying system messages, ...) one by one.
 CREATE FUNCTION broker._accept_in_bulk(from_instance uuid) RETURNS jsonb
-LANGUAGE plpgsql
--- A small batch reuses one plan; a large one is planned for its size, since a
--- plan made for a few rows could rescan a large batch once per conversation.
--- Planning costs a few milliseconds: too much for a batch of a few messages.
-SET plan_cache_mode = auto AS $$
+LANGUAGE plpgsql AS $$
 DECLARE
     limit_bytes integer := (SELECT max_message_bytes FROM broker.node);
     taken broker._batch_conversation[];
     results jsonb;
     queues integer[];
 BEGIN
-    PERFORM set_config('plan_cache_mode', CASE WHEN (SELECT count(*) FROM pg_temp.incoming_transport_batch) > 100
-                                               THEN 'force_custom_plan' ELSE 'force_generic_plan' END, true);
     taken := broker._lock_batch_conversations(from_instance);
     IF EXISTS (SELECT b.conversation_id FROM pg_temp.incoming_transport_batch b WHERE b.sender_is_initiator
                EXCEPT SELECT t.conversation_id FROM unnest(taken) t) THEN
