@@ -14,8 +14,10 @@ from broker.bench.results import Measurement, ScenarioResult, ratio_met
 BARE_TABLE = ("CREATE TABLE bench_bare (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL, seq bigint NOT NULL,"
               " body bytea NOT NULL)")
 BARE_INSERT = "INSERT INTO bench_bare (conversation_id, seq, body) VALUES %s"
-BARE_TAKE = ("DELETE FROM bench_bare WHERE id IN (SELECT id FROM bench_bare ORDER BY id LIMIT 100"
-             " FOR UPDATE SKIP LOCKED) RETURNING body")
+# The locking subquery as a CTE, which runs once: written as "id IN (SELECT ... FOR UPDATE SKIP LOCKED)"
+# it can be planned as a semi-join that locks its rows again for every row of the table.
+BARE_TAKE = ("WITH next AS (SELECT id FROM bench_bare ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED)"
+             " DELETE FROM bench_bare b USING next WHERE b.id = next.id RETURNING b.body")
 RECEIVE = "SELECT body FROM broker.receive('bench_dst', 100)"
 SEND_ONE_BY_ONE = ("SELECT count(broker.send(handle, 'bench.record', body))"
                    " FROM unnest(%(handles)s::uuid[], %(bodies)s::bytea[]) AS m(handle, body)")

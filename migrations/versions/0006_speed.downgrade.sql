@@ -22,9 +22,9 @@ DROP INDEX broker.queue_messages_waiting;
 CREATE INDEX transmission_queue_due ON broker.transmission_queue (next_attempt_at);
 ALTER TABLE broker.endpoints RESET (fillfactor);
 ALTER TABLE broker.queue_messages RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
-                                         autovacuum_vacuum_insert_scale_factor, autovacuum_vacuum_cost_delay);
+                                         autovacuum_vacuum_insert_threshold, autovacuum_vacuum_cost_delay);
 ALTER TABLE broker.transmission_queue RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
-                                             autovacuum_vacuum_insert_scale_factor, autovacuum_vacuum_cost_delay);
+                                             autovacuum_vacuum_insert_threshold, autovacuum_vacuum_cost_delay);
 
 CREATE OR REPLACE FUNCTION broker.send(conversation_handle uuid, message_type text, body bytea DEFAULT NULL) RETURNS bigint
 LANGUAGE plpgsql AS $$
@@ -286,3 +286,47 @@ DROP TYPE broker.transport_message;
 DROP FUNCTION broker.send_batch(uuid[], text, bytea[]);
 DROP VIEW broker._plain_message_types;
 DROP FUNCTION broker._next_queue_positions(integer);
+
+CREATE OR REPLACE FUNCTION broker.forget_closed_endpoints(max_endpoints integer DEFAULT 1000) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    settings broker.node := (SELECT n FROM broker.node n);
+    forgotten broker.endpoints[];
+BEGIN
+    WITH gone AS (
+        DELETE FROM broker.endpoints e
+        WHERE e.conversation_handle IN (
+            SELECT c.conversation_handle FROM broker.endpoints c
+            WHERE c.state = 'closed' AND c.closed_at <= now() - settings.closed_endpoint_retention
+              AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
+                              WHERE t.conversation_handle = c.conversation_handle)
+            ORDER BY c.closed_at
+            LIMIT broker._require('max_endpoints', max_endpoints)
+            FOR UPDATE SKIP LOCKED)
+        RETURNING e.*
+    )
+    SELECT coalesce(array_agg(gone), '{}') INTO forgotten FROM gone;
+
+    INSERT INTO broker.forgotten_conversations (conversation_id, is_initiator, far_broker_instance, receive_sequence)
+    SELECT f.conversation_id, f.is_initiator, f.far_broker_instance, f.receive_sequence
+    FROM unnest(forgotten) f WHERE NOT f.far_is_local
+    ON CONFLICT DO NOTHING;
+    DELETE FROM broker.queue_messages m
+    USING unnest(forgotten) f
+    WHERE m.conversation_group_id = f.conversation_group_id AND m.conversation_handle = f.conversation_handle;
+    DELETE FROM broker.conversation_groups g
+    WHERE g.conversation_group_id IN (
+        SELECT candidate.conversation_group_id FROM broker.conversation_groups candidate
+        WHERE candidate.conversation_group_id IN (SELECT f.conversation_group_id FROM unnest(forgotten) f)
+          AND NOT EXISTS (SELECT 1 FROM broker.endpoints o
+                          WHERE o.conversation_group_id = candidate.conversation_group_id)
+          AND NOT EXISTS (SELECT 1 FROM broker.leases l
+                          WHERE l.conversation_group_id = candidate.conversation_group_id)
+        FOR UPDATE SKIP LOCKED);
+    DELETE FROM broker.forgotten_conversations
+    WHERE (conversation_id, is_initiator) IN (
+        SELECT conversation_id, is_initiator FROM broker.forgotten_conversations
+        WHERE forgotten_at < now() - settings.tombstone_retention
+        ORDER BY forgotten_at LIMIT max_endpoints);
+    RETURN cardinality(forgotten);
+END $$;

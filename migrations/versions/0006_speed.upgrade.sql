@@ -12,12 +12,12 @@ ALTER TABLE broker.endpoints SET (fillfactor = 70);
 
 -- Queue tables are written and emptied all day: vacuum them after a small
 -- share of dead rows rather than the default fifth of the table, and without
--- the cost-based pauses, so a steady stream reuses the same pages.
+-- the cost-based pauses, so a steady stream reuses the same pages.  Rows
+-- inserted are soon deleted: insertions alone never call for a vacuum.
 ALTER TABLE broker.queue_messages SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
-                                       autovacuum_vacuum_insert_scale_factor = 0.01, autovacuum_vacuum_cost_delay = 0);
+                                       autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
 ALTER TABLE broker.transmission_queue SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
-                                           autovacuum_vacuum_insert_scale_factor = 0.01,
-                                           autovacuum_vacuum_cost_delay = 0);
+                                           autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
 
 -- A receive starts from the oldest waiting messages of its queue: an index
 -- of exactly those keeps that a short walk, however many received messages a
@@ -692,3 +692,60 @@ $$;
 -- The relay keeps its back-off in memory and asks each destination for a
 -- batch: nothing scans the whole transmission queue to find what is due.
 DROP VIEW broker.transport_destinations;
+
+------------------------------------------------------------------------------
+-- Forgetting closed conversations
+------------------------------------------------------------------------------
+
+-- As in revision 0005, with the rows to delete locked by CTEs, which run once
+-- (a locking subquery under IN can be planned to run again for every row of
+-- the table), and nothing more done when nothing is past its retention: this
+-- runs at every close and every acknowledgement.
+CREATE OR REPLACE FUNCTION broker.forget_closed_endpoints(max_endpoints integer DEFAULT 1000) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    settings broker.node := (SELECT n FROM broker.node n);
+    forgotten broker.endpoints[];
+BEGIN
+    WITH due AS (
+        SELECT c.conversation_handle FROM broker.endpoints c
+        WHERE c.state = 'closed' AND c.closed_at <= now() - settings.closed_endpoint_retention
+          AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
+                          WHERE t.conversation_handle = c.conversation_handle)
+        ORDER BY c.closed_at
+        LIMIT broker._require('max_endpoints', max_endpoints)
+        FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM broker.endpoints e USING due WHERE e.conversation_handle = due.conversation_handle
+        RETURNING e.*
+    )
+    SELECT coalesce(array_agg(gone), '{}') INTO forgotten FROM gone;
+
+    IF cardinality(forgotten) > 0 THEN
+        INSERT INTO broker.forgotten_conversations (conversation_id, is_initiator, far_broker_instance,
+                                                    receive_sequence)
+        SELECT f.conversation_id, f.is_initiator, f.far_broker_instance, f.receive_sequence
+        FROM unnest(forgotten) f WHERE NOT f.far_is_local
+        ON CONFLICT DO NOTHING;
+        DELETE FROM broker.queue_messages m
+        USING unnest(forgotten) f
+        WHERE m.conversation_group_id = f.conversation_group_id AND m.conversation_handle = f.conversation_handle;
+        WITH emptied AS (
+            SELECT candidate.conversation_group_id FROM broker.conversation_groups candidate
+            WHERE candidate.conversation_group_id IN (SELECT f.conversation_group_id FROM unnest(forgotten) f)
+              AND NOT EXISTS (SELECT 1 FROM broker.endpoints o
+                              WHERE o.conversation_group_id = candidate.conversation_group_id)
+              AND NOT EXISTS (SELECT 1 FROM broker.leases l
+                              WHERE l.conversation_group_id = candidate.conversation_group_id)
+            FOR UPDATE SKIP LOCKED
+        )
+        DELETE FROM broker.conversation_groups g USING emptied
+        WHERE g.conversation_group_id = emptied.conversation_group_id;
+    END IF;
+    DELETE FROM broker.forgotten_conversations
+    WHERE (conversation_id, is_initiator) IN (
+        SELECT conversation_id, is_initiator FROM broker.forgotten_conversations
+        WHERE forgotten_at < now() - settings.tombstone_retention
+        ORDER BY forgotten_at LIMIT max_endpoints);
+    RETURN cardinality(forgotten);
+END $$;
