@@ -107,15 +107,10 @@ def _drain(url: str, statement: str, messages: int, readers: int) -> float:
         finally:
             connection.close()
 
-    threads = [threading.Thread(target=read) for _ in range(readers)]
-    started = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    seconds = workload.run_at_once(read, readers)
     if taken < messages:
         raise RuntimeError(f"{readers} readers took {taken:,} of {messages:,} messages in time")
-    return messages / (time.monotonic() - started)
+    return messages / seconds
 
 
 def receive(server: BenchServer, messages: int, repetitions: int, readers: int,

@@ -1,7 +1,5 @@
 """REST: concurrent clients send over HTTP, then receive with peek-lock and complete, on a `broker serve`."""
 import base64
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,13 +24,8 @@ def _clients(count: int, work: Callable[[httpx.Client], int], errors: list[str])
         except Exception as error:  # counted and reported, not raised: the scenario reports errors
             errors.append(f"{type(error).__name__}: {error}")
 
-    threads = [threading.Thread(target=client) for _ in range(count)]
-    started = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(handled) / (time.monotonic() - started)
+    seconds = workload.run_at_once(client, count)
+    return sum(handled) / seconds
 
 
 def run(server: BenchServer, log: Path, clients: int, messages_per_client: int,

@@ -1,6 +1,8 @@
 """The benchmark's catalog and its load: 1 KB messages sent with broker.send_batch in transactions of 100."""
 import os
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 import psycopg2
 
@@ -70,3 +72,14 @@ def send_round_robin(connection, handles: Sequence[str], messages: int, payloads
             batch = [handles[(start + i) % len(handles)] for i in range(count)]
             cursor.execute(SEND_BATCH, {"handles": batch, "bodies": payloads[:count]})
             connection.commit()
+
+
+def run_at_once(work: Callable[[], None], threads: int) -> float:
+    """Runs work in `threads` threads at once; returns the seconds until the last one ended."""
+    running = [threading.Thread(target=work) for _ in range(threads)]
+    started = time.monotonic()
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join()
+    return time.monotonic() - started
