@@ -7,18 +7,15 @@ in order, confirm and end, and the shops end on the confirmation.  The summary s
 that each guarantee held.
 """
 import json
-import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -28,6 +25,7 @@ import broker
 from broker import migrate
 from broker.activation import run_activation
 from broker.embedded import EmbeddedPostgres
+from broker.processes import answers, free_port, start_broker, stop
 
 LINE, CONFIRMED, CONTRACT = "order.line", "order.confirmed", "orders"
 COUNT_STORED = text("SELECT count(*), count(DISTINCT (conversation_id, message_sequence_number)),"
@@ -59,20 +57,6 @@ class DemoNode:
             return connection.execute(query, params).scalar_one()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _start(node: DemoNode, *command: str, log: Path) -> subprocess.Popen:
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "broker.cli", *command], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "BROKER_DATABASE_URL": node.database_url})
-
-
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -82,17 +66,9 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 
 def _stop_processes(node: DemoNode) -> None:
-    for process in (node.api, node.relay):
-        if process.poll() is None:
-            process.terminate()
-            process.wait(20)
-
-
-def _answers(node: DemoNode) -> bool:
-    try:
-        return httpx.get(f"{node.address}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+    """Stops the node's API and its relay as they are now (the demo starts A's relay again)."""
+    stop(node.api)
+    stop(node.relay)
 
 
 def _define(node: DemoNode, peer: DemoNode, secret: str) -> None:
@@ -140,7 +116,7 @@ def _send_orders(a: DemoNode, b: DemoNode, conversations: int, messages: int, lo
                 console.print("  killed node a's relay (SIGKILL)")
             if i == 2 * conversations // 3:
                 waiting = a.scalar(WAITING_TO_TRANSMIT)
-                a.relay = _start(a, "relay", log=log)
+                a.relay = start_broker(a.database_url, log, "relay")
                 console.print(f"  started node a's relay again, with {waiting} messages waiting for it")
             sender, receiver = (a, b) if i % 2 == 0 else (b, a)
             with sender.engine.begin() as c:
@@ -204,17 +180,17 @@ def run_demo(folder: Path, console: Console, *, conversations: int, messages: in
             cleanup.callback(engine.dispose)
             with engine.connect() as c:
                 instance = str(c.execute(text("SELECT broker_instance FROM broker.node")).scalar_one())
-            nodes.append(DemoNode(name, server.url(), _free_port(), engine, instance))
+            nodes.append(DemoNode(name, server.url(), free_port(), engine, instance))
         a, b = nodes
         secret = secrets.token_urlsafe(24)
         _define(a, b, secret)
         _define(b, a, secret)
         for node in nodes:
-            node.api = _start(node, "serve", "--no-relay", "--no-migrate", "--port", str(node.port), log=log)
-            node.relay = _start(node, "relay", log=log)
+            node.api = start_broker(node.database_url, log, "serve", "--no-relay", "--no-migrate", "--port", str(node.port))
+            node.relay = start_broker(node.database_url, log, "relay")
             cleanup.callback(_stop_processes, node)
         for node in nodes:
-            _wait_for(lambda n=node: _answers(n), 30, f"node {node.name} to answer")
+            _wait_for(lambda n=node: answers(n.address), 30, f"node {node.name} to answer")
         console.print(f"Two nodes on embedded PostgreSQL: a at {a.address}, b at {b.address}; each defines a "
                       "contract, two queues and two services, and routes to the other.")
 

@@ -11,12 +11,13 @@ PostgreSQL requires.
 import atexit
 import logging
 import os
-import socket
 import subprocess
 import warnings
 from pathlib import Path
 
 import psycopg2
+
+from broker.processes import free_port
 
 with warnings.catch_warnings():  # it warns at import about XDG_RUNTIME_DIR, which we do not use
     warnings.simplefilter("ignore")
@@ -27,12 +28,6 @@ with warnings.catch_warnings():  # it warns at import about XDG_RUNTIME_DIR, whi
 log = logging.getLogger(__name__)
 
 DATABASE = "broker"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _accepts_connections(port: int) -> bool:
@@ -92,7 +87,7 @@ class EmbeddedPostgres:
             log.info("%s the embedded PostgreSQL on port %s (pid %s)",
                      "reattached to" if self.owned else "joined", running.port, running.pid)
         else:
-            self.port = self.port or _free_port()  # a restart keeps its port, so URLs stay valid
+            self.port = self.port or free_port()  # a restart keeps its port, so URLs stay valid
             # Queue tables are emptied all day: autovacuum looks at them every few seconds, not every minute.
             options = f"-h 127.0.0.1 -p {self.port} -k '' -c autovacuum_naptime=5s"
             try:

@@ -1,6 +1,5 @@
 """Nodes for tests: a database and a real `broker serve` process on it."""
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -9,17 +8,12 @@ import httpx
 from sqlalchemy import create_engine, text
 
 import broker
+from broker.processes import free_port
 
 SECRET = "shared-secret-between-a-and-b"
 MESSAGE_TYPES = [("order.submit", "json"), ("order.note", "none"), ("order.ack", "empty")]
 CONTRACTS = {"orders": {"order.submit": "initiator", "order.ack": "target", "order.note": "any"},
              "audit": {"order.note": "any"}}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for(predicate, timeout_s=30.0, what="the condition"):

@@ -3,63 +3,34 @@
 Each node is a database on the benchmark's server and real processes on it: A's relay
 runs as `broker relay`, B's transport endpoint as `broker serve --no-relay`.
 """
-import os
 import secrets
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import psycopg2
 
 from broker.bench import workload
 from broker.bench.databases import BenchServer
+from broker.processes import answers, free_port, start_broker, stop
 
 WAITING_TO_TRANSMIT = "SELECT count(*) FROM broker.transmission_queue"
 ARRIVED = "SELECT count(*) FROM broker.queue_messages"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_process(database_url: str, log: Path, *command: str) -> subprocess.Popen:
-    """`broker COMMAND` on the database, its output appended to log."""
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "broker.cli", *command], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "BROKER_DATABASE_URL": database_url})
-
-
 def serve_api(database_url: str, log: Path) -> tuple[subprocess.Popen, str]:
     """`broker serve --no-relay` on a free port, once it answers; returns the process and its address."""
-    port = _free_port()
+    port = free_port()
     address = f"http://127.0.0.1:{port}"
-    process = start_process(database_url, log, "serve", "--no-relay", "--no-migrate", "--port", str(port))
+    process = start_broker(database_url, log, "serve", "--no-relay", "--no-migrate", "--port", str(port))
     deadline = time.monotonic() + 30
-    while not _answers(address):
+    while not answers(address):
         if time.monotonic() > deadline or process.poll() is not None:
             process.terminate()
             raise RuntimeError(f"the API on {database_url} did not start; see {log}")
         time.sleep(0.1)
     return process, address
-
-
-def stop(process: subprocess.Popen | None) -> None:
-    if process is not None and process.poll() is None:
-        process.terminate()
-        process.wait(20)
-
-
-def _answers(address: str) -> bool:
-    try:
-        return httpx.get(f"{address}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 class TwoNodes:
@@ -94,7 +65,7 @@ class TwoNodes:
         self.b.close()
 
     def start_relay(self) -> None:
-        self.relay = start_process(self.a_url, self.log, "relay")
+        self.relay = start_broker(self.a_url, self.log, "relay")
 
     def rss_mb(self) -> dict[str, float]:
         """Resident memory of the relay and API processes."""

@@ -9,8 +9,9 @@ from sqlalchemy import create_engine
 from broker import api_keys
 from broker.bench import workload
 from broker.bench.databases import BenchServer
-from broker.bench.nodes import serve_api, stop
+from broker.bench.nodes import serve_api
 from broker.bench.results import Measurement, ScenarioResult
+from broker.processes import stop
 
 
 def _clients(count: int, work: Callable[[httpx.Client], int], errors: list[str]) -> float:
