@@ -42,6 +42,17 @@ class BenchServer:
             admin.close()
 
 
+def run_sql(database_url: str, statement: str, params: dict | None = None) -> list[tuple]:
+    """Runs the statement on a connection and in a transaction of its own; returns its rows."""
+    connection = psycopg2.connect(database_url)
+    try:
+        with connection, connection.cursor() as cursor:
+            cursor.execute(statement, params)
+            return cursor.fetchall() if cursor.description else []
+    finally:
+        connection.close()
+
+
 @contextmanager
 def bench_server(server_url: str | None) -> Iterator[BenchServer]:
     """The given server, or an embedded PostgreSQL in a temporary folder."""

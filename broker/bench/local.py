@@ -8,7 +8,7 @@ import psycopg2
 import psycopg2.extras
 
 from broker.bench import workload
-from broker.bench.databases import BenchServer
+from broker.bench.databases import BenchServer, run_sql
 from broker.bench.results import Measurement, ScenarioResult, ratio_met
 
 BARE_TABLE = ("CREATE TABLE bench_bare (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL, seq bigint NOT NULL,"
@@ -45,9 +45,7 @@ def _prepare(server: BenchServer, *, remote_receiver: bool) -> str:
     workload.define(url, sender=True, receiver=not remote_receiver)
     if remote_receiver:  # no relay runs: sent messages stay in the transmission queue
         workload.route(url, "bench_receiver", "http://127.0.0.1:1", str(uuid.uuid4()), "no relay runs in this database")
-    with psycopg2.connect(url) as connection, connection.cursor() as cursor:
-        cursor.execute(BARE_TABLE)
-    connection.close()
+    run_sql(url, BARE_TABLE)
     return url
 
 

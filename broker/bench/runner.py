@@ -5,11 +5,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import psycopg2
-
 from broker.bench import cross_node, local, rabbitmq, rest, soak, spark_ingest
 from broker.bench.charts import write_charts
-from broker.bench.databases import BenchServer, bench_server
+from broker.bench.databases import BenchServer, bench_server, run_sql
 from broker.bench.nodes import TwoNodes
 from broker.bench.results import ScenarioResult, write_results
 
@@ -41,10 +39,7 @@ QUICK = Sizes(send=5_000, receive=3_000, transfer=5_000, latency_s=3, rest_per_c
 def _environment(database_url: str) -> dict:
     import pyspark
 
-    with psycopg2.connect(database_url) as connection, connection.cursor() as cursor:
-        cursor.execute(SETTINGS)
-        settings = dict(cursor.fetchall())
-    connection.close()
+    settings = dict(run_sql(database_url, SETTINGS))
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "pyspark": pyspark.__version__,
             "postgresql": settings["server_version"], "fsync": settings["fsync"],
             "synchronous_commit": settings["synchronous_commit"]}

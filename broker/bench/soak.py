@@ -8,6 +8,7 @@ from collections.abc import Callable
 import psycopg2
 
 from broker.bench import workload
+from broker.bench.databases import run_sql
 from broker.bench.nodes import TwoNodes
 from broker.bench.results import Measurement, ScenarioResult
 
@@ -18,13 +19,7 @@ SAMPLE_EVERY_S = 5.0
 
 
 def _dead_tuples(*urls: str) -> int:
-    total = 0
-    for url in urls:
-        with psycopg2.connect(url) as connection, connection.cursor() as cursor:
-            cursor.execute(DEAD_TUPLES)
-            total += cursor.fetchone()[0]
-        connection.close()
-    return total
+    return sum(run_sql(url, DEAD_TUPLES)[0][0] for url in urls)
 
 
 def _consume(url: str, stop: threading.Event) -> None:

@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 
 import psycopg2
 
+from broker.bench.databases import run_sql
+
 MESSAGE_BYTES = 1024
 PER_TRANSACTION = 100
 
@@ -30,27 +32,15 @@ def bodies() -> list[psycopg2.Binary]:
 
 
 def define(database_url: str, *, sender: bool, receiver: bool) -> None:
-    with psycopg2.connect(database_url) as connection, connection.cursor() as cursor:
-        cursor.execute(DEFINE_TYPES)
-        if sender:
-            cursor.execute(DEFINE_SENDER)
-        if receiver:
-            cursor.execute(DEFINE_RECEIVER)
-    connection.close()
+    run_sql(database_url, DEFINE_TYPES + (DEFINE_SENDER if sender else "") + (DEFINE_RECEIVER if receiver else ""))
 
 
 def route(database_url: str, service: str, address: str, instance: str, secret: str) -> None:
-    with psycopg2.connect(database_url) as connection, connection.cursor() as cursor:
-        cursor.execute(ROUTE, {"service": service, "address": address, "instance": instance, "secret": secret})
-    connection.close()
+    run_sql(database_url, ROUTE, {"service": service, "address": address, "instance": instance, "secret": secret})
 
 
 def instance_of(database_url: str) -> str:
-    with psycopg2.connect(database_url) as connection, connection.cursor() as cursor:
-        cursor.execute(INSTANCE)
-        instance = str(cursor.fetchone()[0])
-    connection.close()
-    return instance
+    return str(run_sql(database_url, INSTANCE)[0][0])
 
 
 def begin_conversations(connection, conversations: int) -> list[str]:
