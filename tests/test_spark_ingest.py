@@ -2,6 +2,7 @@
 
 The dataset is compared with the queue as whole frames: every column of every row, each position once.
 """
+import fnmatch
 import os
 import signal
 import subprocess
@@ -180,7 +181,9 @@ def _run(command: list[str], database_url: str, log: Path) -> str:
 
 
 def _files_under(folder: Path, name_glob: str = "*") -> bool:
-    return folder.exists() and any(path.is_file() for path in folder.rglob(name_glob))
+    """Whether a file below folder matches name_glob; os.walk passes over the directories Spark
+    removes while it looks (Path.rglob raises on them)."""
+    return any(fnmatch.filter(files, name_glob) for _, _, files in os.walk(folder))
 
 
 def _committed_runs(lake: Path) -> list[str]:
