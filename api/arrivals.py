@@ -1,7 +1,9 @@
 """Wakes REST readers that wait for a queue: LISTEN broker_queue, whose payload is the queue's id.
 
-One connection per process listens; it is opened on first use and again after
-it breaks, and a broken listener wakes every waiter so that each looks again.
+One connection per process listens; it is opened on first use and again on the
+next wait after it breaks (the database restarted, or the session was ended).
+Opening it and losing it both wake every waiter, so that each looks again for
+what arrived while nobody listened.
 """
 import asyncio
 import logging
@@ -19,6 +21,7 @@ class Arrivals:
     def __init__(self, database_url: str):
         self.database_url = database_url
         self.connection = None
+        self.descriptor: int | None = None  # the connection's socket, as the event loop watches it
         self.waiters: dict[str, set[asyncio.Event]] = {}
         self.opening = asyncio.Lock()
 
@@ -36,16 +39,19 @@ class Arrivals:
                 self.waiters.pop(str(queue_id), None)
 
     async def listen(self) -> None:
-        """Makes sure the listening connection is open; a failure leaves readers to their periodic look."""
+        """Makes sure the listening connection is open, or being opened by another reader (which may take the
+        connection timeout when the database does not answer); until it is, readers look once a second."""
+        if self.connection is not None or self.opening.locked():
+            return
         async with self.opening:
-            if self.connection is not None:
-                return
             try:
-                self.connection = await run_in_threadpool(self._connect)
+                connection = await run_in_threadpool(self._connect)
             except psycopg2.Error as error:
-                log.warning("cannot listen for arrivals (%s)", str(error).splitlines()[0])
+                log.warning("cannot listen for arrivals (%s)", _first_line(error))
                 return
-            asyncio.get_running_loop().add_reader(self.connection.fileno(), self._on_readable)
+            self.connection, self.descriptor = connection, connection.fileno()
+            asyncio.get_running_loop().add_reader(self.descriptor, self._on_readable)
+            self._wake(list(self.waiters))
 
     def _connect(self):
         connection = psycopg2.connect(self.database_url, connect_timeout=5)
@@ -56,7 +62,8 @@ class Arrivals:
     def _on_readable(self) -> None:
         try:
             self.connection.poll()
-        except psycopg2.Error:
+        except psycopg2.Error as error:
+            log.warning("stopped listening for arrivals (%s); listening again on the next wait", _first_line(error))
             self.close()
             self._wake(list(self.waiters))
             return
@@ -69,7 +76,13 @@ class Arrivals:
                 event.set()
 
     def close(self) -> None:
+        """Stops watching the socket by the number it had when opened (a connection that broke has closed it,
+        and the number is soon another socket's), then closes the connection if it is still open."""
         if self.connection is not None:
-            asyncio.get_running_loop().remove_reader(self.connection.fileno())
+            asyncio.get_running_loop().remove_reader(self.descriptor)
             self.connection.close()
-            self.connection = None
+            self.connection = self.descriptor = None
+
+
+def _first_line(error: psycopg2.Error) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

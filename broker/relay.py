@@ -27,9 +27,10 @@ from datetime import timedelta
 import httpx
 import psycopg2
 from sqlalchemy import create_engine, text
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError
 
-from broker import signing
+from broker import signing, timers
+from broker.sessions import with_temporary_table
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILURES, RELAY_SENT
 
 log = logging.getLogger(__name__)
@@ -47,16 +48,46 @@ FORGET_EVERY_S = 60.0
 DESTINATIONS = text("SELECT address, broker_instance, min(peer_secret) AS peer_secret FROM broker.routes"
                     " GROUP BY address, broker_instance ORDER BY address")
 OUR_INSTANCE = text("SELECT broker_instance FROM broker.node")
-NEXT_BATCH = ("COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(first)s, %(last)s))"
-              " TO STDOUT (FORMAT binary)")
+NEXT_BATCH = ("COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s,"
+              " %(first)s, %(last)s)) TO STDOUT (FORMAT binary)")
+# The batch a lane sent, for one transaction, beside the answer that is applied to it.
+STAGE_SENT_BATCH = text("CREATE TEMPORARY TABLE IF NOT EXISTS sent_transport_batch OF broker.transport_message"
+                        " ON COMMIT DELETE ROWS")
+COPY_SENT_BATCH = "COPY pg_temp.sent_transport_batch FROM STDIN (FORMAT binary)"
 APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb))")
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, :last, :reason, :retry_after)")
 LOCK_LANE = text("SELECT pg_try_advisory_lock(1651663724, hashtext(:address || ' lane ' || :lane))")
 FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
+ENDPOINT_HANDLE = text("SELECT conversation_handle FROM broker.endpoints"
+                       " WHERE conversation_id = :conversation_id AND is_initiator = :is_initiator")
+# A message that a destination refuses as too large on its own is tried again this often (its limit may be raised).
+OVERSIZED_RETRY_S = 60.0
 
 
 class TransportFailure(Exception):
     """A destination did not take a batch; the message says why, in words for transmission_status."""
+
+
+class BatchTooLarge(TransportFailure):
+    """The destination refused a batch as larger than it accepts; limit_bytes is its limit, when it said."""
+
+    def __init__(self, reason: str, limit_bytes: int | None):
+        super().__init__(reason)
+        self.limit_bytes = limit_bytes
+
+
+def first_conversation(batch: bytes) -> tuple[uuid.UUID, bool]:
+    """The conversation id and sender_is_initiator of a batch's first row.  Binary COPY: a 19-byte header,
+    then per row a 2-byte field count and each field as a 4-byte length and its bytes (a uuid has 16)."""
+    return uuid.UUID(bytes=batch[25:41]), batch[45] == 1
+
+
+def smaller_batch_bytes(refused_bytes: int, limit_bytes: int | None) -> int:
+    """The byte budget after a batch of refused_bytes was refused as too large: within the limit the
+    destination gave (less a sixteenth for the estimate's slack), or else half the refused batch."""
+    if limit_bytes and limit_bytes < refused_bytes:
+        return limit_bytes - limit_bytes // 16
+    return refused_bytes // 2
 
 
 def backoff_s(failures_in_a_row: int) -> float:
@@ -76,20 +107,30 @@ def lane_digits(lane: int, lanes: int) -> set[str]:
     return {f"{digit:x}" for digit in range(16) if digit << 124 <= last and first <= (digit + 1 << 124) - 1}
 
 
+def _limit_bytes(response: httpx.Response) -> int | None:
+    """The limit a 413 problem names (its limit_bytes member), if it names a sane one."""
+    try:
+        limit = response.json().get("limit_bytes")
+    except (ValueError, AttributeError):
+        return None
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 class Relay:
-    def __init__(self, database_url: str, *, batch_size: int = 1000, timeout_s: float = 30.0,
-                 tls_ca_file: str | None = None, lanes: int = LANES):
+    def __init__(self, database_url: str, *, batch_messages: int = 1000, batch_bytes: int = 8 * 1024 * 1024,
+                 timeout_s: float = 30.0, tls_ca_file: str | None = None, lanes: int = LANES):
         self.database_url = database_url
         self.engine = create_engine(database_url, pool_size=lanes, pool_pre_ping=True)
         self.lanes = [Lane(self, lane, lanes, httpx.Client(timeout=timeout_s, verify=tls_ca_file or True))
                       for lane in range(lanes)]
-        self.batch_size = batch_size
+        self.batch_messages, self.batch_bytes = batch_messages, batch_bytes
 
     def run(self, stop: threading.Event) -> None:
         """Relays until stop is set: one thread per lane, and one that wakes them on notifications."""
         threads = [threading.Thread(target=lane.run, args=(stop,), name=f"relay lane {lane.index}", daemon=True)
                    for lane in self.lanes]
         threads.append(threading.Thread(target=self._wake_lanes, args=(stop,), name="relay listener", daemon=True))
+        threads.append(threading.Thread(target=timers.fire_due_events, args=(self.engine, stop), name="timers", daemon=True))
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -145,6 +186,8 @@ class Lane:
         self.locked: set[str] = set()
         self.failures_in_a_row: dict[str, int] = {}
         self.retry_at: dict[str, float] = {}
+        # Per destination that refused a batch as too large: the byte budget learned from it.
+        self.learned_batch_bytes: dict[str, int] = {}
         self.forget_at = 0.0
         self.destinations: list = []
         self.destinations_at = 0.0
@@ -219,57 +262,103 @@ class Lane:
         are sent (a message committed since wakes the lane by its notification)."""
         address = destination.address
         while True:
-            batch, messages = self._next_batch(address)
+            max_bytes = self.learned_batch_bytes.get(address, self.relay.batch_bytes)
+            batch, messages = self._next_batch(address, max_bytes)
             if not messages:
                 return
             started = time.monotonic()
             RELAY_SENT.labels(address).inc(messages)
             try:
-                answer = self._post(destination, batch)
+                delivered = self._apply_answer(destination, batch, self._post(destination, batch))
+            except BatchTooLarge as refusal:
+                RELAY_FAILURES.labels(address).inc()
+                self._refused_as_too_large(address, refusal, batch, messages)
+                continue
             except TransportFailure as failure:
                 RELAY_FAILURES.labels(address).inc()
                 self._record_failure(address, str(failure))
                 return
             self.failures_in_a_row.pop(address, None)
             self.retry_at.pop(address, None)
-            delivered = self.connection.execute(APPLY_ANSWER, {"answer": answer}).scalar_one()
-            self.connection.commit()
             RELAY_BATCH_SECONDS.labels(address).observe(time.monotonic() - started)
             RELAY_ACKNOWLEDGED.labels(address).inc(delivered)
-            if messages < self.relay.batch_size or delivered == 0:
+            if delivered == 0 or (messages < self.relay.batch_messages and len(batch) < max_bytes // 2):
                 return  # all sent, or nothing new taken: wait for the next wake rather than spin
 
-    def _next_batch(self, address: str) -> tuple[bytes, int]:
-        """The lane's next batch for the destination, in binary COPY format, and how many messages it holds."""
+    def _next_batch(self, address: str, max_bytes: int) -> tuple[bytes, int]:
+        """The lane's next batch for the destination, in binary COPY format, and how many messages it holds:
+        at most the relay's count, and max_bytes unless its first message alone is larger."""
         batch = io.BytesIO()
         with self.connection.begin(), self.connection.connection.cursor() as cursor:  # a transaction of its own
             cursor.copy_expert(cursor.mogrify(NEXT_BATCH, {
-                "address": address, "max_messages": self.relay.batch_size,
+                "address": address, "max_messages": self.relay.batch_messages, "max_bytes": max_bytes,
                 "first": self.first_handle, "last": self.last_handle}).decode(), batch)
             messages = cursor.rowcount
         return batch.getvalue(), messages
 
     def _post(self, destination, body: bytes) -> str:
-        """Sends a batch; returns the destination's signed answer, as JSON text."""
-        url = f"{destination.address}/transport/v1/batches"
+        """Sends a batch; returns the destination's answer to it, as JSON text, once it is signed by the
+        destination as the answer to this very request."""
+        purpose = signing.request_purpose("POST", signing.BATCHES_PATH, str(destination.broker_instance))
+        signed = signing.signed_headers(destination.peer_secret, self.instance, purpose, body)
         try:
-            response = self.client.post(url, content=body, headers={
-                "Content-Type": BATCH_MEDIA_TYPE, **signing.signed_headers(destination.peer_secret, self.instance, body)})
+            response = self.client.post(f"{destination.address}{signing.BATCHES_PATH}", content=body,
+                                        headers={"Content-Type": BATCH_MEDIA_TYPE, **signed})
         except httpx.HTTPError as error:
             raise TransportFailure(f"cannot reach {destination.address}: {type(error).__name__}: {error}") from error
+        if response.status_code == 413:
+            raise BatchTooLarge(f"{destination.address} answered HTTP 413: a batch of {len(body)} bytes is over its limit",
+                                _limit_bytes(response))
         if response.status_code != 200:
             detail = response.text[:300] if "json" in response.headers.get("content-type", "") else ""
             raise TransportFailure(f"{destination.address} answered HTTP {response.status_code} {detail}".strip())
         try:
             signing.matching_secret([destination.peer_secret], response.headers.get(signing.TIMESTAMP_HEADER),
-                                    response.headers.get(signing.SIGNATURE_HEADER), response.content)
+                                    response.headers.get(signing.SIGNATURE_HEADER),
+                                    signing.answer_purpose(signed[signing.SIGNATURE_HEADER]), response.content)
         except signing.BadSignature as error:
-            raise TransportFailure(f"the answer from {destination.address} is not signed by the peer: {error}") from error
-        instance = response.json().get("broker_instance")
+            raise TransportFailure(f"the answer from {destination.address} is not signed by the peer as the answer "
+                                   f"to this batch: {error}") from error
+        try:
+            instance = response.json()["broker_instance"]
+        except (ValueError, TypeError, KeyError):
+            raise TransportFailure(f"{destination.address} answered something other than a transport answer") from None
         if instance != str(destination.broker_instance):
             raise TransportFailure(f"{destination.address} is broker instance {instance}, "
                                    f"the route expects {destination.broker_instance}")
         return response.text
+
+    def _apply_answer(self, destination, batch: bytes, answer: str) -> int:
+        """Applies the destination's answer to the batch it answers, in one transaction; returns how many
+        messages it acknowledged.  The batch goes into a temporary table by COPY, so that the answer settles
+        only the messages the batch carried (see broker.apply_transport_results)."""
+        with_temporary_table(self.connection, "sent_transport_batch", STAGE_SENT_BATCH)
+        try:
+            with self.connection.begin(), self.connection.connection.cursor() as cursor:
+                cursor.copy_expert(COPY_SENT_BATCH, io.BytesIO(batch))
+                return self.connection.execute(APPLY_ANSWER, {"answer": answer}).scalar_one()
+        except DataError as error:  # the results are not what a transport answer holds: nothing was applied
+            raise TransportFailure(f"the answer from {destination.address} is malformed: "
+                                   f"{str(error.orig).strip().splitlines()[0]}") from error
+
+    def _refused_as_too_large(self, address: str, refusal: BatchTooLarge, batch: bytes, messages: int) -> None:
+        """Learns a smaller byte budget for the destination, or, when a message alone was refused, holds its
+        conversation back (its later messages wait behind it) and lets the others go on."""
+        if messages > 1:
+            self.learned_batch_bytes[address] = smaller_batch_bytes(len(batch), refusal.limit_bytes)
+            log.warning("%s refused a batch of %d messages and %d bytes as too large; sending at most %d bytes "
+                        "a batch", address, messages, len(batch), self.learned_batch_bytes[address])
+            return
+        conversation_id, is_initiator = first_conversation(batch)
+        handle = self.connection.execute(ENDPOINT_HANDLE, {"conversation_id": conversation_id,
+                                                          "is_initiator": is_initiator}).scalar_one()
+        limit = f" of {refusal.limit_bytes} bytes" if refusal.limit_bytes else ""
+        reason = (f"{address} answered HTTP 413: the message alone is {len(batch)} bytes in a batch, over that "
+                  f"node's limit{limit}")
+        log.warning("conversation %s: %s; retrying in %.0f s", handle, reason, OVERSIZED_RETRY_S)
+        self.connection.execute(RECORD_FAILURE, {"address": address, "first": handle, "last": handle,
+                                                 "reason": reason, "retry_after": timedelta(seconds=OVERSIZED_RETRY_S)})
+        self.connection.commit()
 
     def _record_failure(self, address: str, reason: str) -> None:
         failures = self.failures_in_a_row[address] = self.failures_in_a_row.get(address, 0) + 1

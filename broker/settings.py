@@ -17,6 +17,19 @@ class Settings(BaseSettings):
     # REST API: the largest request body, and the longest a receive may wait.
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0)
     max_wait_ms: int = Field(60000, ge=0, le=60000)
+    # REST API: the most database connections it holds, and how long a request waits for one when all are
+    # in use before it is answered 503 with Retry-After.
+    api_connections: int = Field(20, gt=0, le=1000)
+    api_connection_wait_s: float = Field(2.0, gt=0, le=60)
+    # HTTP: the longest a client may take to send a request's headers, and again its body (then the connection
+    # is closed, or the request answered 408), and the most connections served at once (then 503).
+    request_timeout_s: float = Field(30.0, gt=0)
+    max_connections: int = Field(1000, gt=0)
+    # Transport: the largest batch this node accepts from a peer, and the most messages and bytes its relay
+    # puts in one batch (it learns a smaller limit from a peer that refuses a batch as too large).
+    max_batch_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    relay_batch_messages: int = Field(1000, gt=0)
+    relay_batch_bytes: int = Field(8 * 1024 * 1024, gt=0)
     # Spark ingest: the PostgreSQL JDBC driver jar (default: looked for, see spark_ingest/jdbc.py).
     jdbc_driver: Path | None = None
 

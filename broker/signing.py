@@ -1,9 +1,12 @@
-"""Signing of node-to-node requests and responses: HMAC-SHA256 over a timestamp and the body.
+"""Signing of node-to-node requests and answers: HMAC-SHA256 over a timestamp, what the message
+is for, and the body.
 
-Both directions are signed with the secret the two nodes share, so a relay
-applies only acknowledgements that really come from its peer.  Replaying a
-request within the allowed skew does no harm: the receiver discards
-duplicates and acknowledges again.
+A request is signed for its method, its endpoint and the broker_instance of the node it goes
+to, so a request captured on its way to one node is worth nothing at another node that shares
+the secret, or at another endpoint.  An answer is signed as the answer to one request (its
+signature), so an answer cannot be passed off for another request.  Both directions use the
+secret the two nodes share.  Replaying a request within the allowed skew does no harm: the
+receiver discards duplicates and acknowledges again.
 """
 import hashlib
 import hmac
@@ -14,32 +17,46 @@ TIMESTAMP_HEADER = "X-Broker-Timestamp"
 SIGNATURE_HEADER = "X-Broker-Signature"
 MAX_CLOCK_SKEW_S = 300
 
+# The transport's endpoints, as their requests are signed (whatever path prefix a route's address has).
+BATCHES_PATH = "/transport/v1/batches"
+DESCRIBE_PATH = "/transport/v1/describe"
 
-def signature(secret: str, timestamp: str, body: bytes) -> str:
-    return hmac.new(secret.encode(), timestamp.encode() + b"\n" + body, hashlib.sha256).hexdigest()
+
+def request_purpose(method: str, path: str, destination_instance: str) -> str:
+    """What a request is for: its method, endpoint and the broker_instance of the node it is sent to."""
+    return f"{method} {path} at {destination_instance}"
 
 
-def signed_headers(secret: str, instance: str, body: bytes) -> dict[str, str]:
+def answer_purpose(request_signature: str) -> str:
+    """What an answer is for: the request it answers, named by that request's signature."""
+    return f"answer to {request_signature}"
+
+
+def signature(secret: str, timestamp: str, purpose: str, body: bytes) -> str:
+    return hmac.new(secret.encode(), f"{timestamp}\n{purpose}\n".encode() + body, hashlib.sha256).hexdigest()
+
+
+def signed_headers(secret: str, instance: str, purpose: str, body: bytes) -> dict[str, str]:
     timestamp = str(int(time.time()))
-    return {INSTANCE_HEADER: instance, TIMESTAMP_HEADER: timestamp, SIGNATURE_HEADER: signature(secret, timestamp, body)}
+    return {INSTANCE_HEADER: instance, TIMESTAMP_HEADER: timestamp,
+            SIGNATURE_HEADER: signature(secret, timestamp, purpose, body)}
 
 
 class BadSignature(Exception):
-    """Why a request or response was not accepted as signed by a known peer."""
+    """Why a request or answer was not accepted as signed by a known peer."""
 
 
-def matching_secret(secrets: list[str], timestamp: str | None, given: str | None, body: bytes) -> str:
-    """The secret under which the signature is good and fresh; raises BadSignature otherwise."""
+def matching_secret(secrets: list[str], timestamp: str | None, given: str | None, purpose: str, body: bytes) -> str:
+    """The secret under which the signature is good, fresh and for this purpose; raises BadSignature otherwise."""
     if not timestamp or not given:
         raise BadSignature("the message is not signed")
-    try:
-        skew = abs(time.time() - int(timestamp))
-    except ValueError:
-        raise BadSignature("the timestamp is not a number of seconds") from None
+    if not timestamp.isascii() or not timestamp.isdigit():
+        raise BadSignature("the timestamp is not a number of seconds")
+    skew = abs(time.time() - int(timestamp))
     if skew > MAX_CLOCK_SKEW_S:
         raise BadSignature(f"the timestamp is {skew:.0f} s away from this node's clock "
                            f"(at most {MAX_CLOCK_SKEW_S} s allowed)")
     for secret in secrets:
-        if hmac.compare_digest(signature(secret, timestamp, body), given):
+        if hmac.compare_digest(signature(secret, timestamp, purpose, body).encode(), given.encode()):
             return secret
     raise BadSignature("the signature does not match any secret shared with this node")

@@ -65,7 +65,10 @@ def template_database(admin_url):
 def _fresh_database(admin_url: str, template: str = "template1"):
     name = f"broker_test_{uuid.uuid4().hex[:12]}"
     admin_execute(admin_url, f"CREATE DATABASE {name} TEMPLATE {template}")
-    yield with_database(admin_url, name)
+    url = with_database(admin_url, name)
+    if template != "template1":  # a copy of the migrated template: its own broker_instance, as every node has
+        admin_execute(url, "UPDATE broker.node SET broker_instance = gen_random_uuid()")
+    yield url
     admin_execute(admin_url, f"DROP DATABASE {name} WITH (FORCE)")
 
 

@@ -39,11 +39,12 @@ class Node:
         self.address = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
         self.process = None
+        self.env: dict[str, str] = {}  # settings for the process, e.g. {"BROKER_MAX_BATCH_BYTES": "1048576"}
         with self.engine.connect() as c:
             self.instance = c.execute(text("SELECT broker_instance FROM broker.node")).scalar_one()
 
     def start(self):
-        env = {**os.environ, "BROKER_DATABASE_URL": self.database_url}
+        env = {**os.environ, **self.env, "BROKER_DATABASE_URL": self.database_url}
         command = [sys.executable, "-m", "broker.cli", "serve", "--port", str(self.port), "--no-migrate"]
         if self.tls:
             command += ["--tls-cert", str(self.tls["cert"]), "--tls-key", str(self.tls["key"])]

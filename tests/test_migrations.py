@@ -9,7 +9,7 @@ from sqlalchemy import create_engine, text
 from broker import migrate
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAD = "0006"
+HEAD = migrate.head_revision()
 
 
 def _schema_state(url):

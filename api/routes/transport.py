@@ -1,5 +1,8 @@
 """Node-to-node endpoints, each signed both ways with the secret the two nodes share.
 
+A request counts only when it is signed for its method, its endpoint and this node's
+broker_instance; the answer is signed as the answer to that request (see broker.signing).
+
 POST /transport/v1/batches: messages from other nodes, acknowledged after our commit.  The
 body is PostgreSQL's binary COPY format of broker.transport_message rows (see broker.relay):
 it goes straight into a temporary table by COPY, and PostgreSQL's own input checks refuse
@@ -18,8 +21,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import text
 
-from api.problems import problem
+from api.problems import database_unavailable, problem
 from broker import signing
+from broker.sessions import with_temporary_table
 
 router = APIRouter()
 
@@ -54,11 +58,13 @@ def _peer_instance(request: Request) -> str | None:
         return None
 
 
-def _secret_of_signer(connection, request: Request, instance: str, body: bytes) -> str:
-    """The secret the request is signed under; raises signing.BadSignature when no peer signed it."""
+def _secret_of_signer(connection, request: Request, path: str, instance: str, body: bytes) -> str:
+    """The secret the request is signed under, for this endpoint of this node; raises signing.BadSignature
+    when no peer signed it so."""
+    purpose = signing.request_purpose(request.method, path, request.app.state.broker_instance)
     return signing.matching_secret(list(connection.execute(SECRETS_OF_PEER, {"instance": instance}).scalars()),
                                    request.headers.get(signing.TIMESTAMP_HEADER),
-                                   request.headers.get(signing.SIGNATURE_HEADER), body)
+                                   request.headers.get(signing.SIGNATURE_HEADER), purpose, body)
 
 
 def _unknown_peer() -> Response:
@@ -69,26 +75,18 @@ def _bad_signature(refusal: signing.BadSignature) -> Response:
     return problem(401, "bad-signature", "the request is not signed by a known peer", str(refusal))
 
 
-def _staged(connection):
-    """The connection, with the batch table made in its session (once, in a transaction of its own)."""
-    session = connection.connection.info
-    if not session.get("incoming_transport_batch"):
-        connection.execute(STAGE_BATCH)
-        connection.commit()
-        session["incoming_transport_batch"] = True
-    return connection
-
-
 def _malformed(kind: str, detail: str) -> Response:
     return problem(400, kind, "the body is not what this endpoint takes", detail)
 
 
 def _signed_answer(request: Request, secret: str, answer: bytes) -> Response:
-    headers = signing.signed_headers(secret, request.app.state.broker_instance, answer)
+    """The answer, signed as the answer to this request (whose signature has been checked)."""
+    purpose = signing.answer_purpose(request.headers[signing.SIGNATURE_HEADER])
+    headers = signing.signed_headers(secret, request.app.state.broker_instance, purpose, answer)
     return Response(answer, media_type="application/json", headers=headers)
 
 
-@router.post("/transport/v1/batches", include_in_schema=False)
+@router.post(signing.BATCHES_PATH, include_in_schema=False)
 async def receive_batch(request: Request) -> Response:
     instance = _peer_instance(request)
     if instance is None:
@@ -98,8 +96,9 @@ async def receive_batch(request: Request) -> Response:
     def accept() -> Response:
         """Checks the signature, stores the batch and commits, in one transaction."""
         try:
-            with request.app.state.engine.connect() as connection, _staged(connection).begin():
-                secret = _secret_of_signer(connection, request, instance, batch)
+            with request.app.state.engine.connect() as connection, \
+                    with_temporary_table(connection, "incoming_transport_batch", STAGE_BATCH).begin():
+                secret = _secret_of_signer(connection, request, signing.BATCHES_PATH, instance, batch)
                 with connection.connection.cursor() as cursor:
                     cursor.copy_expert(COPY_BATCH, io.BytesIO(batch))
                 answer = connection.execute(ACCEPT_BATCH, {"instance": instance}).scalar_one()
@@ -108,8 +107,7 @@ async def receive_batch(request: Request) -> Response:
         except (psycopg2.DataError, psycopg2.IntegrityError) as error:  # PostgreSQL's input checks refused it
             return _malformed("malformed-batch", str(error).strip().splitlines()[0])
         except psycopg2.OperationalError:
-            return problem(503, "database-unavailable", "The database could not do it now; nothing was applied",
-                           headers={"Retry-After": "1"})
+            return database_unavailable()
         # after the commit: acknowledge only what is durable
         return _signed_answer(request, secret, answer.encode())
 
@@ -121,7 +119,7 @@ class DescribeRequest(BaseModel):
     contracts: list[str]
 
 
-@router.post("/transport/v1/describe", include_in_schema=False)
+@router.post(signing.DESCRIBE_PATH, include_in_schema=False)
 async def describe(request: Request) -> Response:
     instance = _peer_instance(request)
     if instance is None:
@@ -131,7 +129,7 @@ async def describe(request: Request) -> Response:
     def describe_catalog() -> Response:
         with request.app.state.engine.connect() as connection:
             try:
-                secret = _secret_of_signer(connection, request, instance, body)
+                secret = _secret_of_signer(connection, request, signing.DESCRIBE_PATH, instance, body)
             except signing.BadSignature as refusal:
                 return _bad_signature(refusal)
             try:

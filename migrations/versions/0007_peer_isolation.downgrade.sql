@@ -1,0 +1,357 @@
+-- Back to revision 0006: the bodies these functions had before revision 0007.
+
+-- broker._create_target_endpoint, as in revision 0002.
+CREATE OR REPLACE FUNCTION broker._create_target_endpoint(from_instance uuid, header jsonb) RETURNS broker.endpoints
+LANGUAGE plpgsql AS $$
+DECLARE
+    target_service broker.services := broker._service(header ->> 'to_service');
+    dialog_contract integer := broker._contract_id(header ->> 'contract');
+    group_id uuid := gen_random_uuid();
+    e broker.endpoints;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM broker.service_contracts sc
+                   WHERE sc.service_id = target_service.service_id AND sc.contract_id = dialog_contract) THEN
+        PERFORM broker._raise('BR011', format('service %L does not accept contract %L',
+            target_service.name, header ->> 'contract'));
+    END IF;
+    INSERT INTO broker.conversation_groups VALUES (group_id, target_service.queue_id);
+    INSERT INTO broker.endpoints (conversation_handle, conversation_id, is_initiator, conversation_group_id,
+                                  service_id, queue_id, far_service, far_is_local, far_broker_instance,
+                                  contract_id, expires_at)
+    VALUES (gen_random_uuid(), (header ->> 'conversation_id')::uuid, false, group_id, target_service.service_id,
+            target_service.queue_id, broker._check_name('service', header ->> 'from_service'), false,
+            from_instance, dialog_contract, (header ->> 'expires_at')::timestamptz)
+    RETURNING * INTO e;
+    RETURN e;
+END $$;
+
+-- broker._accept_conversation, as in revision 0005.
+CREATE OR REPLACE FUNCTION broker._accept_conversation(from_instance uuid, header jsonb) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    conversation uuid;
+    sender_is_initiator boolean;
+    e broker.endpoints;
+    known boolean;
+    tombstone broker.forgotten_conversations;
+    result jsonb;
+    failed_sqlstate text;
+    failure text;
+BEGIN
+    conversation := broker._require('conversation_id', (header ->> 'conversation_id')::uuid);
+    sender_is_initiator := broker._require('sender_is_initiator', (header ->> 'sender_is_initiator')::boolean);
+    result := jsonb_build_object('conversation_id', conversation, 'sender_is_initiator', sender_is_initiator);
+    BEGIN
+        SELECT * INTO e FROM broker.endpoints
+        WHERE conversation_id = conversation AND is_initiator = NOT sender_is_initiator
+        FOR UPDATE;
+        known := FOUND;
+        IF NOT known THEN
+            SELECT * INTO tombstone FROM broker.forgotten_conversations f
+            WHERE f.conversation_id = conversation AND f.is_initiator = NOT sender_is_initiator
+              AND f.far_broker_instance = from_instance;
+            IF FOUND THEN  -- closed and forgotten here: take nothing, and let the sender stop resending
+                RETURN result || jsonb_build_object('acknowledged', greatest(tombstone.receive_sequence,
+                    (SELECT max((m ->> 'sequence_number')::bigint)
+                     FROM jsonb_array_elements(header -> 'messages') m)));
+            END IF;
+        END IF;
+        IF NOT known AND sender_is_initiator THEN
+            e := broker._create_target_endpoint(from_instance, header);
+        ELSIF NOT known OR e.far_is_local OR e.far_broker_instance IS DISTINCT FROM from_instance THEN
+            PERFORM broker._raise('BR005', format('unknown conversation %s', conversation));
+        END IF;
+        RETURN result || jsonb_build_object('acknowledged', broker._accept_messages(e, header -> 'messages'));
+    EXCEPTION WHEN SQLSTATE 'BR030' THEN
+        RETURN result || jsonb_build_object('acknowledged', coalesce(e.receive_sequence, 0), 'waiting', SQLERRM);
+    WHEN OTHERS THEN
+        failed_sqlstate := SQLSTATE;
+        failure := SQLERRM;
+        IF failed_sqlstate NOT LIKE 'BR%' AND failed_sqlstate NOT IN ('22P02', '22023', '22007', '22008') THEN
+            RAISE;  -- not the conversation's fault: fail the batch, the sender retries
+        END IF;
+    END;
+    -- Refused: end this side too, if it exists, so both sides see broker.error.
+    SELECT * INTO e FROM broker.endpoints WHERE conversation_id = conversation AND is_initiator = NOT sender_is_initiator;
+    IF FOUND AND e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
+        e := broker._lock_endpoint(e.conversation_handle);
+        PERFORM broker._fail_conversation(e, -3, 'the conversation was refused: ' || failure);
+    END IF;
+    RETURN result || jsonb_build_object('acknowledged', coalesce(e.receive_sequence, 0),
+                                        'refused', jsonb_build_object('sqlstate', failed_sqlstate, 'reason', failure));
+END $$;
+
+-- broker._accept_messages, as in revision 0006.
+CREATE OR REPLACE FUNCTION broker._accept_messages(e broker.endpoints, messages jsonb) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    message jsonb;
+    sequence_number bigint;
+    mt broker.message_types;
+    body bytea;
+    next_messages jsonb;
+    stored integer;
+    first_position bigint;
+BEGIN
+    IF NOT (SELECT is_enabled FROM broker.queues WHERE queue_id = e.queue_id) THEN
+        PERFORM broker._raise('BR030', 'the target queue is disabled');
+    END IF;
+    -- The run of numbers that follows receive_sequence without a gap, in order.
+    SELECT coalesce(jsonb_agg(m ORDER BY n), '[]') INTO next_messages
+    FROM (SELECT m, n, row_number() OVER (ORDER BY n) AS k
+          FROM (SELECT DISTINCT ON (n) m, n
+                FROM jsonb_array_elements(messages) m, CAST(m ->> 'sequence_number' AS bigint) n
+                WHERE n > e.receive_sequence
+                ORDER BY n) once_each) numbered
+    WHERE n = e.receive_sequence + k;
+
+    IF e.state IN ('conversing', 'disconnected_inbound')
+       AND NOT jsonb_path_exists(next_messages, '$[*] ? (@.message_type starts with "broker.")') THEN
+        FOR message IN
+            SELECT m FROM jsonb_array_elements(next_messages) m
+            WHERE NOT EXISTS (SELECT 1 FROM broker.message_types t
+                              JOIN broker.contract_message_types cmt
+                                ON cmt.message_type_id = t.message_type_id AND cmt.contract_id = e.contract_id
+                               AND cmt.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'target' ELSE 'initiator' END)
+                              WHERE t.name = m ->> 'message_type' AND t.validation = 'none'
+                                AND octet_length(decode(m ->> 'body', 'base64'))
+                                    <= (SELECT max_message_bytes FROM broker.node))
+        LOOP  -- raises for the first message that does not pass (it would be refused)
+            PERFORM broker._check_message(e.contract_id, NOT e.is_initiator,
+                                          broker._message_type(message ->> 'message_type'),
+                                          decode(message ->> 'body', 'base64'));
+        END LOOP;
+        stored := jsonb_array_length(next_messages);
+        IF stored = 0 THEN
+            RETURN e.receive_sequence;
+        END IF;
+        first_position := broker._next_queue_positions(stored);
+        INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
+                                           conversation_id, message_sequence_number, message_type_id, body)
+        SELECT e.queue_id, first_position + m.k - 1, e.conversation_group_id, e.conversation_handle,
+               e.conversation_id, (m.value ->> 'sequence_number')::bigint, t.message_type_id,
+               decode(m.value ->> 'body', 'base64')
+        FROM jsonb_array_elements(next_messages) WITH ORDINALITY AS m(value, k)
+        JOIN broker.message_types t ON t.name = m.value ->> 'message_type';
+        UPDATE broker.endpoints SET receive_sequence = e.receive_sequence + stored
+        WHERE conversation_handle = e.conversation_handle;
+        PERFORM pg_notify('broker_queue', e.queue_id::text);
+        RETURN e.receive_sequence + stored;
+    END IF;
+
+    FOR message IN SELECT value FROM jsonb_array_elements(next_messages) LOOP
+        sequence_number := (message ->> 'sequence_number')::bigint;
+        mt := broker._message_type(message ->> 'message_type');
+        body := decode(message ->> 'body', 'base64');
+        IF mt.name NOT LIKE 'broker.%' THEN
+            PERFORM broker._check_message(e.contract_id, NOT e.is_initiator, mt, body);
+        END IF;
+        PERFORM broker._deliver(e, sequence_number, mt, body);
+        SELECT * INTO e FROM broker.endpoints WHERE conversation_handle = e.conversation_handle;
+    END LOOP;
+    RETURN e.receive_sequence;
+END $$;
+
+-- broker._accept_in_bulk, as in revision 0006.
+CREATE OR REPLACE FUNCTION broker._accept_in_bulk(from_instance uuid) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    limit_bytes integer := (SELECT max_message_bytes FROM broker.node);
+    taken broker._batch_conversation[];
+    results jsonb;
+    queues integer[];
+BEGIN
+    taken := broker._lock_batch_conversations(from_instance);
+    IF EXISTS (SELECT b.conversation_id FROM pg_temp.incoming_transport_batch b WHERE b.sender_is_initiator
+               EXCEPT SELECT t.conversation_id FROM unnest(taken) t) THEN
+        PERFORM broker._open_batch_conversations(from_instance, limit_bytes);
+        taken := broker._lock_batch_conversations(from_instance);
+    END IF;
+    IF taken IS NULL THEN
+        RETURN '[]';
+    END IF;
+
+    -- Each conversation's run of numbers after receive_sequence without a gap;
+    -- a conversation is taken here only when all of its run is plain.
+    WITH fresh AS (
+        SELECT DISTINCT ON (t.conversation_handle, b.sequence_number) t.*, b.sequence_number, b.message_type, b.body
+        FROM unnest(taken) t
+        JOIN pg_temp.incoming_transport_batch b
+          ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
+        WHERE b.sequence_number > t.receive_sequence
+        ORDER BY t.conversation_handle, b.sequence_number
+    ), next_run AS (
+        SELECT f.*, row_number() OVER (PARTITION BY f.conversation_handle ORDER BY f.sequence_number) AS k
+        FROM fresh f
+    ), judged AS (
+        SELECT r.*, p.message_type_id,
+               bool_and(p.name IS NOT NULL AND coalesce(octet_length(r.body), 0) <= limit_bytes)
+                   OVER (PARTITION BY r.conversation_handle) AS plain
+        FROM next_run r
+        LEFT JOIN broker._plain_message_types p
+               ON p.contract_id = r.contract_id AND p.sent_by_initiator = NOT r.is_initiator
+              AND p.name = r.message_type
+        WHERE r.sequence_number = r.receive_sequence + r.k
+    ), accepted AS (
+        SELECT j.*, row_number() OVER (ORDER BY j.conversation_handle, j.sequence_number) AS place
+        FROM judged j WHERE j.plain
+    ), stored AS (
+        INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
+                                           conversation_id, message_sequence_number, message_type_id, body)
+        SELECT a.queue_id, (SELECT broker._next_queue_positions(count(*)::integer) FROM accepted) + a.place - 1,
+               a.conversation_group_id, a.conversation_handle, a.conversation_id, a.sequence_number,
+               a.message_type_id, a.body
+        FROM accepted a
+        RETURNING queue_id
+    ), moved_on AS (
+        UPDATE broker.endpoints e SET receive_sequence = last.sequence_number
+        FROM (SELECT a.conversation_handle, max(a.sequence_number) AS sequence_number
+              FROM accepted a GROUP BY a.conversation_handle) last
+        WHERE e.conversation_handle = last.conversation_handle
+        RETURNING e.conversation_handle, e.receive_sequence
+    )
+    SELECT coalesce(jsonb_agg(jsonb_build_object(
+               'conversation_id', t.conversation_id, 'sender_is_initiator', NOT t.is_initiator,
+               'acknowledged', coalesce(m.receive_sequence, t.receive_sequence))), '[]'),
+           (SELECT array_agg(DISTINCT queue_id) FROM stored)
+    INTO results, queues
+    FROM unnest(taken) t
+    LEFT JOIN moved_on m ON m.conversation_handle = t.conversation_handle
+    WHERE NOT EXISTS (SELECT 1 FROM judged j WHERE j.conversation_handle = t.conversation_handle AND NOT j.plain);
+    PERFORM pg_notify('broker_queue', q::text) FROM unnest(queues) q;
+    RETURN results;
+END $$;
+
+-- broker._open_batch_conversations, as in revision 0006.
+CREATE OR REPLACE FUNCTION broker._open_batch_conversations(from_instance uuid, limit_bytes integer) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    WITH new_conversations AS (
+        SELECT b.conversation_id, array_agg(DISTINCT b.message_type) AS message_types,
+               max(coalesce(octet_length(b.body), 0)) AS largest_body
+        FROM pg_temp.incoming_transport_batch b
+        WHERE b.sender_is_initiator
+        GROUP BY b.conversation_id
+        HAVING NOT EXISTS (SELECT 1 FROM broker.endpoints e
+                           WHERE e.conversation_id = b.conversation_id AND NOT e.is_initiator)
+           AND NOT EXISTS (SELECT 1 FROM broker.forgotten_conversations f
+                           WHERE f.conversation_id = b.conversation_id AND NOT f.is_initiator)
+    ), headers AS (  -- each new conversation's header, from its lowest-numbered message
+        SELECT DISTINCT ON (b.conversation_id) b.*
+        FROM pg_temp.incoming_transport_batch b
+        JOIN new_conversations n ON n.conversation_id = b.conversation_id
+        WHERE b.sender_is_initiator
+        ORDER BY b.conversation_id, b.sequence_number
+    ), plain AS (
+        SELECT p.contract_id, array_agg(p.name) AS message_types
+        FROM broker._plain_message_types p WHERE p.sent_by_initiator GROUP BY p.contract_id
+    ), opening AS (
+        SELECT gen_random_uuid() AS conversation_group_id, h.conversation_id, s.service_id, s.queue_id,
+               ct.contract_id, broker._check_name('service', h.from_service) AS far_service, h.expires_at
+        FROM new_conversations n
+        JOIN headers h ON h.conversation_id = n.conversation_id
+        JOIN broker.services s ON s.name = h.to_service
+        JOIN broker.queues q ON q.queue_id = s.queue_id AND q.is_enabled
+        JOIN broker.contracts ct ON ct.name = h.contract
+        JOIN broker.service_contracts sc ON sc.service_id = s.service_id AND sc.contract_id = ct.contract_id
+        JOIN plain ON plain.contract_id = ct.contract_id
+        WHERE n.message_types <@ plain.message_types AND n.largest_body <= limit_bytes
+    ), opened_groups AS (
+        INSERT INTO broker.conversation_groups (conversation_group_id, queue_id)
+        SELECT conversation_group_id, queue_id FROM opening
+    )
+    INSERT INTO broker.endpoints (conversation_handle, conversation_id, is_initiator, conversation_group_id,
+                                  service_id, queue_id, far_service, far_is_local, far_broker_instance,
+                                  contract_id, expires_at)
+    SELECT gen_random_uuid(), o.conversation_id, false, o.conversation_group_id, o.service_id, o.queue_id,
+           o.far_service, false, from_instance, o.contract_id, o.expires_at
+    FROM opening o;
+END $$;
+
+-- broker.accept_transport_batch, as in revision 0006.
+CREATE OR REPLACE FUNCTION broker.accept_transport_batch(from_instance uuid) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    in_bulk jsonb;
+    one_by_one jsonb;
+BEGIN
+    BEGIN
+        in_bulk := broker._accept_in_bulk(from_instance);
+    EXCEPTION WHEN OTHERS THEN
+        in_bulk := '[]';
+    END;
+    WITH taken_in_bulk AS (
+        SELECT * FROM jsonb_to_recordset(in_bulk) AS r(conversation_id uuid, sender_is_initiator boolean)
+    ), left_over AS (
+        SELECT b.conversation_id, b.sender_is_initiator,
+               (array_agg(jsonb_build_object('conversation_id', b.conversation_id,
+                                             'sender_is_initiator', b.sender_is_initiator,
+                                             'from_service', b.from_service, 'to_service', b.to_service,
+                                             'contract', b.contract, 'expires_at', b.expires_at)
+                          ORDER BY b.sequence_number))[1] AS header,
+               jsonb_agg(jsonb_build_object('sequence_number', b.sequence_number, 'message_type', b.message_type,
+                                            'body', encode(b.body, 'base64')) ORDER BY b.sequence_number) AS messages
+        FROM pg_temp.incoming_transport_batch b
+        WHERE NOT EXISTS (SELECT 1 FROM taken_in_bulk t
+                          WHERE t.conversation_id = b.conversation_id AND t.sender_is_initiator = b.sender_is_initiator)
+        GROUP BY b.conversation_id, b.sender_is_initiator
+    )
+    SELECT coalesce(jsonb_agg(broker._accept_conversation(from_instance,
+                                                          l.header || jsonb_build_object('messages', l.messages))),
+                    '[]')
+    INTO one_by_one
+    FROM left_over l;
+    RETURN jsonb_build_object('broker_instance', (SELECT broker_instance FROM broker.node),
+                              'results', in_bulk || one_by_one);
+END $$;
+
+-- broker.apply_transport_results, as in revision 0006.
+CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    handles uuid[];
+    acknowledged bigint[];
+    answered boolean[];
+    result record;
+    delivered bigint;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    SELECT array_agg(e.conversation_handle), array_agg((r ->> 'acknowledged')::bigint),
+           array_agg(NOT (r ? 'refused' OR r ? 'waiting'))
+    INTO handles, acknowledged, answered
+    FROM jsonb_array_elements(answer -> 'results') r
+    JOIN broker.endpoints e ON e.conversation_id = (r ->> 'conversation_id')::uuid
+                           AND e.is_initiator = (r ->> 'sender_is_initiator')::boolean AND NOT e.far_is_local;
+
+    WITH removed AS (
+        DELETE FROM broker.transmission_queue t
+        USING unnest(handles, acknowledged) AS a(conversation_handle, acknowledged)
+        WHERE t.conversation_handle = a.conversation_handle AND t.message_sequence_number <= a.acknowledged
+        RETURNING 1
+    )
+    SELECT count(*) INTO delivered FROM removed;
+    -- The far node answered for these: earlier failures no longer apply.
+    UPDATE broker.transmission_queue t
+    SET attempts = 0, transmission_status = 'sent; waiting for the numbers before it to be acknowledged'
+    FROM unnest(handles, answered) AS a(conversation_handle, answered)
+    WHERE t.conversation_handle = a.conversation_handle AND a.answered AND t.attempts > 0;
+
+    FOR result IN
+        SELECT e.conversation_handle, r AS answer
+        FROM jsonb_array_elements(answer -> 'results') r
+        JOIN broker.endpoints e ON e.conversation_id = (r ->> 'conversation_id')::uuid
+                               AND e.is_initiator = (r ->> 'sender_is_initiator')::boolean AND NOT e.far_is_local
+        WHERE r ? 'refused' OR r ? 'waiting'
+    LOOP
+        IF result.answer ? 'refused' THEN
+            PERFORM broker._refused_by_far_side(broker._lock_endpoint(result.conversation_handle),
+                                                result.answer -> 'refused' ->> 'reason');
+        ELSE
+            UPDATE broker.transmission_queue
+            SET transmission_status = 'the far node holds it back: ' || (result.answer ->> 'waiting'),
+                attempts = attempts + 1, next_attempt_at = now() + interval '5 seconds'
+            WHERE conversation_handle = result.conversation_handle;
+        END IF;
+    END LOOP;
+    RETURN delivered;
+END $$;
