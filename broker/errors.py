@@ -77,7 +77,8 @@ class MessageTooLarge(InvalidArgument):
 
 
 class LockLost(BrokerError):
-    """A lease that expired, was completed or abandoned, or never existed."""
+    """A lease that expired, was completed or abandoned, or never existed; or an ingest checkpoint advanced by
+    a session that does not hold the run's lock."""
 
     sqlstates = ("BR060",)
 

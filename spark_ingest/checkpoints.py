@@ -1,4 +1,4 @@
-"""The SQL an ingest run calls: one function per SQL function of revision 0004."""
+"""The SQL an ingest run calls: one function per SQL function of revisions 0004 and 0010."""
 from sqlalchemy import Connection, text
 
 from broker.errors import translated_errors
@@ -8,6 +8,13 @@ def try_lock(connection: Connection, queue: str, output: str) -> bool:
     """A session lock on (queue, output), held until the connection closes."""
     with translated_errors():
         return connection.execute(text("SELECT broker.try_lock_ingest(:queue, :output)"),
+                                  {"queue": queue, "output": output}).scalar_one()
+
+
+def holds_lock(connection: Connection, queue: str, output: str) -> bool:
+    """Whether this connection's session still holds the lock on (queue, output)."""
+    with translated_errors():
+        return connection.execute(text("SELECT broker.holds_ingest_lock(:queue, :output)"),
                                   {"queue": queue, "output": output}).scalar_one()
 
 
@@ -29,7 +36,9 @@ def partitions(connection: Connection, queue: str, after: int, up_to: int, count
 
 def advance(connection: Connection, queue: str, output: str, after: int, up_to: int, run: str, rows: int,
             consume: bool) -> int:
-    """Moves the checkpoint from after to up_to (and with consume deletes the range); the rows deleted."""
+    """Moves the checkpoint from after to up_to (and with consume deletes the range); the rows deleted.
+
+    Refused (LockLost) unless this connection's session holds the lock on (queue, output)."""
     with translated_errors():
         return connection.execute(
             text("SELECT broker.advance_ingest_checkpoint(:queue, :output, :after, :up_to, :run, :rows, :consume)"),

@@ -4,12 +4,17 @@
    high-water mark]: below the committed horizon, so no row can still appear in it.
 2. If the dataset already holds a run starting at the checkpoint (a run killed
    after its commit, before its checkpoint), adopt it instead of writing again.
+   A dataset that disagrees with the checkpoint (overlapping runs, runs past it)
+   is refused.
 3. Otherwise read the range over JDBC in partitions of nearly equal row counts,
-   write Parquet into a staging directory and rename it into the dataset.
-4. Advance the checkpoint (and with `consume`, delete the range) in one transaction.
+   write Parquet into a staging directory and, if the session still holds the
+   lock, rename it into the dataset (its files on disk first).
+4. Advance the checkpoint (and with `consume`, delete the range) in one
+   transaction, on the session that holds the lock, which the advance checks.
 
 A crash before step 3's rename leaves only staging files, removed by the next
-run; a crash after it is step 2 of the next run.
+run; a crash after it is step 2 of the next run.  A run whose lock's session
+ends (see lock.py) stops without committing, since another run may hold it.
 """
 import re
 import time
@@ -25,6 +30,7 @@ from spark_ingest import checkpoints
 from spark_ingest.dataset import Dataset, Run
 from spark_ingest.errors import IngestError
 from spark_ingest.jdbc import jdbc_connection
+from spark_ingest.lock import RunLock
 from spark_ingest.progress import Progress, ProgressReporter
 
 OUTPUT_COLUMNS = ["queue_name", "queue_position", "conversation_id", "conversation_handle", "conversation_group_id",
@@ -67,7 +73,8 @@ def _partition_predicates(queue: str, run: Run, plan: list[tuple[int, int]]) -> 
 
 
 def _write(spark, database_url: str, queue: str, dataset: Dataset, run: Run, plan: list[tuple[int, int]],
-           fetch_size: int, on_progress: Callable[[Progress], None] | None) -> int:
+           fetch_size: int, lock: RunLock, on_progress: Callable[[Progress], None] | None) -> tuple[str, int]:
+    """Writes the run into a staging directory: its location and the rows written."""
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
@@ -81,11 +88,34 @@ def _write(spark, database_url: str, queue: str, dataset: Dataset, run: Run, pla
     staging = dataset.staging_location(run)
     job_group = f"broker-ingest {queue} {run.run_id}"
     spark.sparkContext.setJobGroup(job_group, f"ingest of queue {queue}, positions {run.run_id}")
-    with ProgressReporter(spark, job_group, len(plan), sum(rows for _, rows in plan),
-                          on_progress or (lambda _: None)):
+    with lock.watched(on_loss=lambda: spark.sparkContext.cancelJobGroup(job_group)), \
+            ProgressReporter(spark, job_group, len(plan), sum(rows for _, rows in plan),
+                             on_progress or (lambda _: None)):
         frame.write.mode("errorifexists").parquet(staging)
-    dataset.commit(staging, run)
-    return written.get["rows"]
+    return staging, written.get["rows"]
+
+
+def _run_to_adopt(dataset: Dataset, queue: str, checkpoint: int) -> Run | None:
+    """The run at the checkpoint that a run killed before advancing it left in the dataset, if there is one.
+
+    Refuses a dataset that disagrees with the checkpoint: runs that overlap hold some messages twice, and runs
+    past the checkpoint, other than one starting at it, were not committed with this database's checkpoint."""
+    runs = dataset.committed_runs()
+    furthest = None
+    for run in runs:
+        if furthest and furthest.overlaps(run):
+            raise IngestError(f"{dataset.uri} holds overlapping runs {furthest.run_id} and {run.run_id}: the "
+                              f"positions they share are in the dataset twice; delete the directory of the run that "
+                              f"the checkpoint of queue {queue!r} did not advance over (broker.ingests.last_run "
+                              f"names the latest that it did), then run the ingest again")
+        if furthest is None or run.up_to_position > furthest.up_to_position:
+            furthest = run
+    ahead = [run for run in runs if run.up_to_position > checkpoint]
+    if ahead and (len(ahead) > 1 or ahead[0].after_position != checkpoint):
+        raise IngestError(f"{dataset.uri} holds runs past the checkpoint at position {checkpoint} "
+                          f"({', '.join(run.run_id for run in ahead)}): it does not belong with "
+                          f"this database's checkpoint of queue {queue!r}")
+    return ahead[0] if ahead else None
 
 
 def ingest(spark, database_url: str, queue: str, output: str, *, partitions: int | None = None,
@@ -95,28 +125,28 @@ def ingest(spark, database_url: str, queue: str, output: str, *, partitions: int
     dataset = Dataset(spark, output)
     engine = create_engine(database_url, poolclass=NullPool)
     try:
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as lock:
-            if not checkpoints.try_lock(lock, queue, dataset.uri):
-                raise IngestError(f"another ingest of queue {queue!r} into {dataset.uri} is running")
-            with engine.begin() as connection:
+        with engine.connect() as session:
+            lock = RunLock(session, queue, dataset.uri)
+            lock.acquire()
+            with lock.transaction() as connection:
                 after, up_to = checkpoints.start(connection, queue, dataset.uri)
             dataset.clear_staging()
-            ahead = [run for run in dataset.committed_runs() if run.up_to_position > after]
-            if ahead and (len(ahead) > 1 or ahead[0].after_position != after):
-                raise IngestError(f"{dataset.uri} holds runs past the checkpoint at position {after} "
-                                  f"({', '.join(run.run_id for run in ahead)}): it does not belong with "
-                                  f"this database's checkpoint of queue {queue!r}")
-            if ahead:
-                run, adopted = ahead[0], True
-                plan = []
+            run = _run_to_adopt(dataset, queue, after)
+            adopted, plan = run is not None, []
+            if adopted:
                 rows = dataset.count(dataset.location(run))
+                dataset.adopt(run)
             else:
-                run, adopted = Run(after, up_to), False
-                with engine.connect() as connection:
+                run, rows = Run(after, up_to), 0
+                with lock.transaction() as connection:
                     plan = checkpoints.partitions(connection, queue, after, up_to,
                                                   partitions or 4 * spark.sparkContext.defaultParallelism)
-                rows = _write(spark, database_url, queue, dataset, run, plan, fetch_size, on_progress) if plan else 0
-            with engine.begin() as connection:
+                if plan:
+                    staging, rows = _write(spark, database_url, queue, dataset, run, plan, fetch_size, lock,
+                                           on_progress)
+                    lock.verify()
+                    dataset.commit(staging, run)
+            with lock.explaining_failures(), lock.transaction() as connection:
                 consumed = checkpoints.advance(connection, queue, dataset.uri, run.after_position,
                                                run.up_to_position, run.run_id, rows, consume)
     finally:

@@ -4,6 +4,8 @@ The dataset is compared with the queue as whole frames: every column of every ro
 """
 import fnmatch
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -163,13 +165,17 @@ def _start(command: list[str], database_url: str, log: Path) -> subprocess.Popen
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _kill_when(process: subprocess.Popen, reached, what: str, timeout_s: float = 120) -> None:
-    """SIGKILLs the run's whole process group (Python and its JVM) the moment `reached()` holds."""
+def _wait_until(process: subprocess.Popen, reached, what: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not reached():
         assert process.poll() is None, f"the run ended before {what}"
         assert time.monotonic() < deadline, f"the run never reached {what}"
         time.sleep(0.02)
+
+
+def _kill_when(process: subprocess.Popen, reached, what: str) -> None:
+    """SIGKILLs the run's whole process group (Python and its JVM) the moment `reached()` holds."""
+    _wait_until(process, reached, what)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
 
@@ -289,3 +295,189 @@ def test_what_the_ingest_refuses(spark, engine, orders, tmp_path):
         ingest(spark, url, WAREHOUSE_QUEUE, str(lake))
     with engine.connect() as c:
         assert c.execute(text("SELECT queue_position FROM broker.ingests")).scalar_one() == 0
+
+
+def _ingest_lock_holders(engine) -> list[int]:
+    """The backends that hold an ingest run's lock (the advisory lock class of broker.try_lock_ingest)."""
+    with engine.connect() as c:
+        return c.execute(text("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = 1651663725"
+                              " AND granted")).scalars().all()
+
+
+def _checkpoint(engine) -> tuple:
+    with engine.connect() as c:
+        return tuple(c.execute(text("SELECT queue_position, last_run, rows_ingested FROM broker.ingests")).one())
+
+
+def test_a_run_that_loses_its_lock_commits_nothing_and_the_next_run_is_not_doubled(spark, engine, orders, tmp_path):
+    url, lake = engine.url.render_as_string(hide_password=False), tmp_path / "lake"
+    module = [sys.executable, "-m", "spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]
+    send_conversations(engine, 600, 5, "a")
+
+    # The first run is paused mid-write (as a long GC pause or a stopped VM would) and its lock's session ends.
+    first = _start([*module, "--master", "local[2,4]", "--partitions", "24", "--fetch-size", "10"], url,
+                   tmp_path / "first.log")
+    try:
+        _wait_until(first, lambda: _files_under(lake / "_incoming", "*.parquet"), "writing")
+        os.killpg(first.pid, signal.SIGSTOP)
+        [holder] = _ingest_lock_holders(engine)
+        with engine.connect() as c:
+            assert c.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": holder}).scalar_one()
+        assert _ingest_lock_holders(engine) == []
+
+        # A second run takes the free lock and commits everything, including rows sent since.
+        send_conversations(engine, 50, 5, "b")
+        second = _run(module, url, tmp_path / "second.log")
+        assert "3,250 rows" in second
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+        try:
+            first.wait(timeout=180)
+        finally:
+            if first.poll() is None:
+                os.killpg(first.pid, signal.SIGKILL)
+
+    # The first run wakes up, finds its lock gone and stops without touching the dataset or the checkpoint.
+    first_log = (tmp_path / "first.log").read_text()
+    assert first.returncode == 1, first_log[-3000:]
+    assert re.search(r"\nspark_ingest: the ingest of queue 'warehouse_queue' into \S+ lost its lock \(its database "
+                     r"session ended: [^\n]+\): another run may hold it now, so this one stops without committing",
+                     first_log)
+    [committed] = _committed_runs(lake)
+    run_id = committed.removeprefix("ingest_run=")
+    assert _checkpoint(engine) == (int(run_id.split("-")[1]), run_id, 3250)
+    content = dataset_content(spark, lake)
+    assert len(set(positions(content))) == len(content) == 3250
+    assert content == queue_content(engine)
+    assert ingest(spark, url, WAREHOUSE_QUEUE, str(lake)).rows == 0
+
+
+def test_a_run_that_loses_its_lock_at_the_checkpoint_leaves_its_output_to_the_next_run(spark, engine, orders,
+                                                                                      tmp_path):
+    url, lake, log = engine.url.render_as_string(hide_password=False), tmp_path / "lake", tmp_path / "run.log"
+    send_conversations(engine, 40, 5)
+    with engine.begin() as c:  # the dataset's checkpoint row, at 0
+        c.execute(text("SELECT broker.start_ingest(:queue, :output)"),
+                  {"queue": WAREHOUSE_QUEUE, "output": f"file:{lake}"})
+    holder = _checkpoint_row_locked(engine)
+    run = _start([sys.executable, "-m", "spark_ingest", "--consume", "--output", str(lake), "--queue",
+                  WAREHOUSE_QUEUE], url, log)
+    try:
+        _wait_until(run, lambda: _blocked_at_the_checkpoint(engine), "the checkpoint")
+        [lock_session] = _ingest_lock_holders(engine)
+        with engine.connect() as c:
+            assert c.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": lock_session}).scalar_one()
+        assert run.wait(timeout=60) == 1
+    finally:
+        holder.rollback()
+        holder.close()
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert re.search(r"\nspark_ingest: the ingest of queue 'warehouse_queue' into \S+ lost its lock \(its database "
+                     r"session ended: [^\n]+\): another run may hold it now, so this one stops without committing",
+                     log.read_text())
+    assert _checkpoint(engine) == (0, None, 0) and len(queue_content(engine)) == 200  # neither advanced nor consumed
+
+    expected = queue_content(engine)
+    rerun = ingest(spark, url, WAREHOUSE_QUEUE, str(lake), consume=True)
+    assert rerun.adopted and rerun.consumed == rerun.rows == 200
+    assert dataset_content(spark, lake) == expected
+
+
+def test_a_run_never_renames_over_positions_that_a_run_in_the_dataset_covers(spark, engine, orders, tmp_path):
+    url, lake, log = engine.url.render_as_string(hide_password=False), tmp_path / "lake", tmp_path / "run.log"
+    send_conversations(engine, 600, 5)
+    run = _start([sys.executable, "-m", "spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE,
+                  "--partitions", "24", "--fetch-size", "10"], url, log)
+    try:
+        _wait_until(run, lambda: _files_under(lake / "_incoming", "*.parquet"), "writing")
+        os.killpg(run.pid, signal.SIGSTOP)
+        (lake / "ingest_run=0-1").mkdir()  # committed meanwhile by something that did not take the lock
+        os.killpg(run.pid, signal.SIGCONT)
+        assert run.wait(timeout=180) == 1
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert re.search(r"\nspark_ingest: file:\S+ already holds run 0-1, which covers positions of run 0-\d+: another "
+                     r"run committed it, so this one stops without committing\n", log.read_text())
+    assert _committed_runs(lake) == ["ingest_run=0-1"]
+    assert _checkpoint(engine) == (0, None, 0)
+
+
+def test_a_write_longer_than_the_idle_session_timeout_keeps_its_lock(spark, engine, orders, tmp_path):
+    url = engine.url.update_query_dict({"options": "-c idle_session_timeout=1000"})
+    lake = tmp_path / "lake"
+    send_conversations(engine, 600, 5)
+    run = _start([sys.executable, "-m", "spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE,
+                  "--partitions", "24", "--fetch-size", "10"], url.render_as_string(hide_password=False),
+                 tmp_path / "run.log")
+    try:
+        _wait_until(run, lambda: _files_under(lake / "_incoming", "*.parquet"), "writing")
+        holders = []
+        with engine.connect() as stall:  # the reads still to come wait for this lock: the write stalls for 3 s
+            stall.execute(text("LOCK TABLE broker.queue_messages IN ACCESS EXCLUSIVE MODE"))
+            until = time.monotonic() + 3
+            while time.monotonic() < until:
+                holders.append(len(_ingest_lock_holders(engine)))
+                time.sleep(0.1)
+            stall.rollback()
+        assert run.wait(timeout=180) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert set(holders) == {1}  # held all along, though its session had nothing to do for 3 s
+    assert dataset_content(spark, lake) == queue_content(engine)
+
+
+def test_a_dataset_with_overlapping_runs_is_reported_and_left_alone(spark, engine, orders, tmp_path):
+    url, lake = engine.url.render_as_string(hide_password=False), tmp_path / "lake"
+    send_conversations(engine, 20, 5)
+    first = ingest(spark, url, WAREHOUSE_QUEUE, str(lake))
+    # What a run that lost its lock would leave beside the run that committed: some of the same rows again.
+    shutil.copytree(lake / f"ingest_run={first.run.run_id}", lake / f"ingest_run=0-{first.run.up_to_position - 1}")
+    send_conversations(engine, 5, 5, "b")
+    before = _checkpoint(engine)
+
+    with pytest.raises(IngestError) as refused:
+        ingest(spark, url, WAREHOUSE_QUEUE, str(lake))
+    assert re.fullmatch(rf"file:{lake} holds overlapping runs 0-{first.run.up_to_position - 1} and "
+                        rf"{first.run.run_id}: .*", str(refused.value))
+    assert "\n" not in str(refused.value)
+    assert _checkpoint(engine) == before
+    assert _committed_runs(lake) == sorted([f"ingest_run={first.run.run_id}",
+                                            f"ingest_run=0-{first.run.up_to_position - 1}"])
+
+
+_DESCRIPTOR_PATH = re.compile(r"\(\d+<([^>]*)>")  # strace -y: a call's file descriptor and its path
+
+
+def test_consume_deletes_only_rows_whose_files_and_directories_are_on_disk(spark, engine, orders, tmp_path):
+    url, lake = engine.url.render_as_string(hide_password=False), tmp_path / "lake"
+    assert shutil.which("strace"), "this test watches the run with strace: apt-get install strace"
+    send_conversations(engine, 100, 5)
+    trace = tmp_path / "strace.log"
+    strace = ["strace", "-f", "--seccomp-bpf", "-qq", "-y", "-s", "1000", "-e", "signal=none",
+              "-e", "trace=fsync,fdatasync,syncfs,sync,rename,renameat,renameat2,sendto", "-o", str(trace)]
+    last = _run([*strace, sys.executable, "-m", "spark_ingest", "--consume", "--partitions", "4", "--output",
+                 str(lake), "--queue", WAREHOUSE_QUEUE], url, tmp_path / "run.log")
+    assert "500 rows consumed" in last and queue_content(engine) == []
+
+    lines = trace.read_text(errors="replace").splitlines()
+    [committed] = _committed_runs(lake)
+    [rename_at] = [i for i, line in enumerate(lines) if re.search(r" rename(at2?)?\(", line)
+                   and f'"{lake / committed}"' in line]
+    staging = re.search(rf'"({re.escape(str(lake / "_incoming"))}/[^"]+)"', lines[rename_at])[1]
+    [advance_at] = [i for i, line in enumerate(lines) if "sendto(" in line and "advance_ingest_checkpoint" in line]
+    assert rename_at < advance_at
+
+    def synced(between: range) -> set[str]:
+        return {path[1] for i in between if re.match(r"\d+ +(fsync|fdatasync)\(", lines[i])
+                for path in [_DESCRIPTOR_PATH.search(lines[i])] if path}
+
+    # Every file and directory of the run, under its staging name, before the rename makes it part of the dataset.
+    written = [Path(folder, name).relative_to(lake / committed)
+               for folder, folders, files in os.walk(lake / committed) for name in [*folders, *files]]
+    assert len([name for name in written if name.suffix == ".parquet"]) == 4
+    assert {f"{staging}/{name}" for name in written} | {staging} <= synced(range(rename_at))
+    # The directories the rename changed, before the checkpoint (and the delete) commits.
+    assert {str(lake), str(lake / "_incoming")} <= synced(range(rename_at + 1, advance_at))

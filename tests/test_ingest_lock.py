@@ -1,0 +1,52 @@
+"""The ingest's lock in SQL (revision 0010): only the session that holds it advances the checkpoint."""
+import pytest
+from sqlalchemy import text
+
+import broker
+from broker.errors import translated_errors
+from tests.factories import WAREHOUSE_QUEUE
+
+OUTPUTS = [f"file:/lake/{i}" for i in range(8)]  # lock keys of both signs
+
+
+def _call(connection, function: str, output: str, **arguments):
+    names = ", ".join(f":{name}" for name in arguments)
+    return connection.execute(text(f"SELECT broker.{function}(:queue, :output{', ' if names else ''}{names})"),
+                              {"queue": WAREHOUSE_QUEUE, "output": output, **arguments}).scalar_one()
+
+
+def _advance(connection, output: str) -> int:
+    connection.execute(text("SELECT broker.start_ingest(:queue, :output)"),
+                       {"queue": WAREHOUSE_QUEUE, "output": output})
+    with translated_errors():
+        return _call(connection, "advance_ingest_checkpoint", output, after=0, up_to=10, run="0-10", rows=0,
+                     consume=False)
+
+
+def test_only_the_session_holding_the_lock_advances_the_checkpoint(engine, orders):
+    with engine.connect() as run, engine.connect() as other:
+        for output in OUTPUTS:
+            assert _call(run, "try_lock_ingest", output)
+            assert not _call(other, "try_lock_ingest", output)
+            assert _call(run, "holds_ingest_lock", output) and not _call(other, "holds_ingest_lock", output)
+            with pytest.raises(broker.LockLost, match="is not locked by this session"):
+                _advance(other, output)
+            other.rollback()
+            assert _advance(run, output) == 0
+        run.commit()
+        positions = run.execute(text("SELECT array_agg(DISTINCT queue_position) FROM broker.ingests")).scalar_one()
+    assert positions == [10]
+
+
+def test_a_lock_whose_session_ended_is_no_ones(engine, orders):
+    with engine.connect() as run:
+        assert _call(run, "try_lock_ingest", OUTPUTS[0])
+        pid = run.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        run.commit()
+        with engine.connect() as admin:
+            assert admin.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid}).scalar_one()
+        run.invalidate()
+    with engine.connect() as late:
+        assert not _call(late, "holds_ingest_lock", OUTPUTS[0])
+        with pytest.raises(broker.LockLost):
+            _advance(late, OUTPUTS[0])
