@@ -1,15 +1,23 @@
-"""Request size limits: a body over the limit gets 413 before any route sees it."""
+"""Request limits: a body over the size limit gets 413, and one that does not come in time 408, before
+any route sees it."""
+import asyncio
+import logging
 from collections.abc import Callable
 
 from api.problems import problem
 
+log = logging.getLogger(__name__)
+# A request refused before its body was read: the connection cannot carry another, so it ends.
+CLOSE = {"Connection": "close"}
 
-class BodySizeLimit:
-    """Pure ASGI middleware: reads the body up to limit_for(path) bytes, then hands it on."""
 
-    def __init__(self, app, limit_for: Callable[[str], int]):
+class RequestLimits:
+    """Pure ASGI middleware: reads the body up to limit_for(path) bytes within timeout_s, then hands it on."""
+
+    def __init__(self, app, limit_for: Callable[[str], int], timeout_s: float):
         self.app = app
         self.limit_for = limit_for
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -19,13 +27,26 @@ class BodySizeLimit:
         if declared.isdigit() and int(declared) > limit:
             return await self._too_large(limit, scope, receive, send)
         messages, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                log.warning("%s %r: the request body did not come within %s s (%d bytes came)",
+                            scope["method"], scope["path"], self.timeout_s, size)
+                return await problem(408, "request-timeout", "The request did not come in time",
+                                     f"a request's body must arrive within {self.timeout_s} s here",
+                                     headers=CLOSE)(scope, receive, send)
             messages.append(message)
             size += len(message.get("body", b""))
             if size > limit:
                 return await self._too_large(limit, scope, receive, send)
-            if message["type"] != "http.request" or not message.get("more_body"):
+            if message["type"] == "http.disconnect":
+                # An ordinary network event (a client gone, a connection cut): nothing to answer.
+                log.warning("%s %r: the client went away before its request body ended (%d bytes came)",
+                            scope["method"], scope["path"], size)
+                return
+            if not message.get("more_body"):
                 break
 
         async def replay():
@@ -35,6 +56,7 @@ class BodySizeLimit:
 
     @staticmethod
     async def _too_large(limit: int, scope, receive, send):
+        """413 with the limit as an extension member, so that a sender can learn it."""
         response = problem(413, "too-large", "The request is larger than this node accepts",
-                           f"the limit here is {limit} bytes")
+                           f"the limit here is {limit} bytes", headers=CLOSE, limit_bytes=limit)
         await response(scope, receive, send)

@@ -1,16 +1,19 @@
 """The node's HTTP application: the /v1 REST API, the node-to-node transport, probes and metrics."""
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
 from api.arrivals import Arrivals
-from api.limits import BodySizeLimit
-from api.problems import Problem, from_broker_error, from_problem, problem
+from api.limits import RequestLimits
+from api.problems import (InternalErrors, Problem, database_unavailable, from_broker_error, from_problem,
+                          internal_error, problem)
 from api.routes import catalog, console, conversations, health, queues, transport
 from broker import migrate
 from broker.errors import BrokerError
@@ -29,17 +32,33 @@ Exactly-once-in-order conversations between services, over HTTP.
 * Errors are `application/problem+json` with a stable `type`.
 """
 
+# A database that does not answer a connection attempt within this long is unavailable (503).
+CONNECT_TIMEOUT_S = 5
+# A statement that waits this long for a lock gives up (503, nothing applied): a transaction that holds rows
+# for long must not hold the API's connections as long.
+LIMIT_LOCK_WAITS = "SET lock_timeout = '5s'"
+
 
 def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
-               max_batch_bytes: int = 64 * 1024 * 1024, max_wait_ms: int = 60000) -> FastAPI:
+               max_batch_bytes: int = 64 * 1024 * 1024, max_wait_ms: int = 60000, api_connections: int = 20,
+               api_connection_wait_s: float = 2.0, request_timeout_s: float = 30.0) -> FastAPI:
+    """The options are the settings of the same names (broker/settings.py)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Routes that use the database run in threads: twice as many threads as connections lets as many
+        # requests wait for a connection (and be answered 503 in time) as use one.
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, 2 * api_connections)
         yield
         app.state.arrivals.close()
         app.state.engine.dispose()
 
     app = FastAPI(title="pg-broker node", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
-    app.state.engine = create_engine(database_url, pool_size=16, max_overflow=16, pool_pre_ping=True)
+    # Statement parameters stay out of error messages (and so out of the log): they hold message bodies.
+    app.state.engine = create_engine(database_url, pool_size=api_connections, max_overflow=0,
+                                     pool_timeout=api_connection_wait_s, pool_pre_ping=True, hide_parameters=True,
+                                     connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+    event.listen(app.state.engine, "connect", _limit_lock_waits)
     app.state.max_wait_ms = max_wait_ms
     app.state.arrivals = Arrivals(database_url)
     app.state.schema_head = migrate.head_revision()
@@ -51,8 +70,9 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
     for router in (conversations.router, queues.router, catalog.router, health.router, transport.router,
                    console.router):
         app.include_router(router)
-    app.add_middleware(BodySizeLimit, limit_for=lambda path: max_batch_bytes if path.startswith("/transport/")
-                       else max_request_bytes)
+    app.add_middleware(RequestLimits, limit_for=lambda path: max_batch_bytes if path.startswith("/transport/")
+                       else max_request_bytes, timeout_s=request_timeout_s)
+    app.add_middleware(InternalErrors)
 
     @app.exception_handler(Problem)
     async def raised_problem(request: Request, error: Problem):
@@ -68,21 +88,33 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
             return problem(400, "invalid-argument", "An argument is out of range or malformed",
                            str(error.orig).strip().splitlines()[0])
         if error.connection_invalidated or isinstance(error, OperationalError):  # lost, timed out, deadlocked
-            return problem(503, "database-unavailable", "The database could not do it now; nothing was applied",
-                           headers={"Retry-After": "1"})
-        return problem(500, "internal-error", "The node could not handle the request; it was not applied")
+            return database_unavailable()
+        return internal_error(request.method, request.url.path, error)
+
+    @app.exception_handler(PoolTimeout)
+    async def no_connection_free(request: Request, error: PoolTimeout):
+        return database_unavailable(f"all {api_connections} of the node's database connections are in use")
 
     @app.exception_handler(HTTPException)
     async def http_problem(request: Request, error: HTTPException):
         return problem(error.status_code, "http-error", str(error.detail), headers=error.headers)
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def unstorable_text(request: Request, error: UnicodeEncodeError):
+        """Text that JSON can carry but UTF-8 cannot (a lone surrogate such as \\ud800), found as it is stored."""
+        return problem(422, "invalid-request", "The request does not match the schema",
+                       "the request holds text that is not valid Unicode (a lone surrogate such as \\ud800); "
+                       "nothing was applied")
 
     @app.exception_handler(RequestValidationError)
     async def validation_problem(request: Request, error: RequestValidationError):
         return problem(422, "invalid-request", "The request does not match the schema",
                        "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()[:5]))
 
-    @app.exception_handler(Exception)
-    async def internal_problem(request: Request, error: Exception):
-        return problem(500, "internal-error", "The node could not handle the request; it was not applied")
-
     return app
+
+
+def _limit_lock_waits(dbapi_connection, _record) -> None:
+    with dbapi_connection.cursor() as cursor:
+        cursor.execute(LIMIT_LOCK_WAITS)
+    dbapi_connection.commit()

@@ -2,12 +2,19 @@
 
 The broker's SQLSTATE classes map one to one onto problem types, so an HTTP
 client sees the same classes of mistake a SQL client does; "sqlstate" is kept
-as an extension member.
+as an extension member.  A failure of the node itself answers 500 and is logged
+with its traceback.
 """
+import logging
+import traceback
+
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from broker import errors
+from broker.masking import mask_passwords
+
+log = logging.getLogger(__name__)
 
 # status, type, title
 BY_ERROR_CLASS: dict[type[errors.BrokerError], tuple[int, str, str]] = {
@@ -56,6 +63,12 @@ def problem(status: int, kind: str, title: str, detail: str | None = None, heade
     return JSONResponse(body, status_code=status, media_type="application/problem+json", headers=headers)
 
 
+def database_unavailable(detail: str | None = None) -> JSONResponse:
+    """503 with Retry-After: the database could not do it now, and nothing was applied."""
+    return problem(503, "database-unavailable", "The database could not do it now; nothing was applied", detail,
+                   headers={"Retry-After": "1"})
+
+
 def from_problem(error: Problem) -> JSONResponse:
     return problem(error.status, error.kind, error.title, error.detail, error.headers, **error.extensions)
 
@@ -65,6 +78,39 @@ def from_broker_error(error: errors.BrokerError) -> JSONResponse:
     expected = error.expected_sequence_number if isinstance(error, errors.SequenceConflict) else None
     return problem(status, kind, title, error.message, sqlstate=error.sqlstate, hint=error.hint,
                    expected_sequence_number=expected)
+
+
+def internal_error(method: str, path: str, error: Exception) -> JSONResponse:
+    """The 500 for a request the node failed, logged with its traceback: the frames without their local
+    variables, and passwords masked."""
+    trace = "".join(traceback.format_exception(error))
+    log.error("%s %s answered 500: %s", method, path, mask_passwords(trace))
+    return problem(500, "internal-error", "The node could not handle the request; it was not applied")
+
+
+class InternalErrors:
+    """Pure ASGI middleware: an exception that no handler turned into a response answers 500 (while the
+    response has not begun) and is logged once, by internal_error."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        responding = False
+
+        async def send_noting_the_start(message):
+            nonlocal responding
+            responding = responding or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_the_start)
+        except Exception as error:
+            response = internal_error(scope["method"], scope["path"], error)
+            if not responding:
+                await response(scope, receive, send)
 
 
 # Every /v1 route may answer with these; listed in the OpenAPI document.  A

@@ -2,6 +2,7 @@
 from pathlib import Path
 from uuid import uuid4
 
+import httpx
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
@@ -9,12 +10,19 @@ import broker
 from tests.factories import WAREHOUSE_QUEUE, begin
 from tests.rest import ApiServer, new_key
 
-pytestmark = pytest.mark.slow  # needs Debian's chromium: skipped with --skip-slow
 
 CHROMIUM = Path("/usr/bin/chromium")
 # As the machine's own probe starts it: no sandbox as root, and no calls home on a closed network.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
+
+
+def test_the_console_may_run_only_its_own_script_and_may_not_be_framed(database_url):
+    with ApiServer(database_url) as api:
+        headers = httpx.get(f"{api.url}/console").headers
+    policy = headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "script-src 'sha256-" in policy and "frame-ancestors 'none'" in policy
+    assert headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"
 
 
 @pytest.fixture
@@ -25,6 +33,7 @@ def browser():
         chromium.close()
 
 
+@pytest.mark.slow  # needs Debian's chromium: skipped with --skip-slow
 def test_the_console_shows_queues_conversations_the_transmission_queue_and_dead_letters(
         browser, engine, orders, database_url, tmp_path):
     with engine.begin() as c:
@@ -44,6 +53,7 @@ def test_the_console_shows_queues_conversations_the_transmission_queue_and_dead_
         page = browser.new_page()
         errors = []
         page.on("pageerror", lambda error: errors.append(str(error)))
+        page.on("console", lambda message: "Content Security Policy" in message.text and errors.append(message.text))
         page.goto(f"{api.url}/console")
         page.fill("#key", "bk_000000000000_not-a-key")
         page.click("button[type=submit]")
@@ -64,7 +74,7 @@ def test_the_console_shows_queues_conversations_the_transmission_queue_and_dead_
         page.wait_for_timeout(4500)  # two more refreshes: the chart has points
         lines = page.locator("#chart polyline")
         assert lines.count() == 2 and all(lines.nth(i).get_attribute("points") for i in range(2))
-        assert errors == []  # no script error on the page
+        assert errors == []  # no script error on the page, nothing its security policy refused
         screenshot = tmp_path / "console.png"
         page.screenshot(path=str(screenshot), full_page=True)
     assert screenshot.stat().st_size > 10_000

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import text
 
 import broker
-from broker import api_keys
+from broker import api_keys, migrate
 from tests import factories
 from tests.rest import ApiServer, new_key
 
@@ -370,13 +370,13 @@ def test_catalog_and_status_routes(admin, engine):
 def test_readiness_follows_the_database_and_the_schema(api, engine):
     with api.client() as anyone:
         assert anyone.get("/healthz").status_code == 200
-        assert anyone.get("/readyz").json() == {"status": "ready", "schema_revision": "0006"}
+        assert anyone.get("/readyz").json() == {"status": "ready", "schema_revision": migrate.head_revision()}
         with engine.begin() as connection:
-            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = '0005'"))
+            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = '0001'"))
         problem = _is_problem(anyone.get("/readyz"), 503, "not-ready")
         assert "broker migrate" in problem["detail"]
         with engine.begin() as connection:
-            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = '0006'"))
+            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = :head"), {"head": migrate.head_revision()})
         assert anyone.get("/readyz").status_code == 200
 
 

@@ -61,7 +61,7 @@ class SendMessage(BaseModel):
     body_base64: str | None = Field(
         None, pattern=r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$",
         description="raw bytes, base64 (RFC 4648, padded): instead of body")
-    sequence_number: int | None = Field(None, ge=1, description=(
+    sequence_number: int | None = Field(None, ge=1, le=2**53 - 1, description=(
         "makes the send idempotent: the number this message must get. Resending the same number with the same "
         "content returns the stored result; another content, or a number out of turn, is 409"))
 

@@ -1,5 +1,8 @@
 """Probes and metrics: /healthz (the process is up), /readyz (database reachable, schema at head),
-/metrics (Prometheus text; needs an admin key)."""
+/metrics (Prometheus text; needs an admin key).
+
+/healthz runs on the event loop and touches no database: it answers at once while every thread and
+database connection is busy, so that a node that is only slow is not taken for dead."""
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -16,7 +19,7 @@ SCHEMA_VERSION = text("SELECT version_num FROM public.broker_alembic_version")
 
 
 @router.get("/healthz", summary="Liveness")
-def healthz(request: Request) -> dict:
+async def healthz(request: Request) -> dict:
     return {"status": "ok", "broker_instance": request.app.state.broker_instance}
 
 

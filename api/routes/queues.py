@@ -123,10 +123,10 @@ async def receive(queue: NamePath, request: Request, options: ReceiveRequest | N
     deadline = time.monotonic() + wait_s
     messages = await run_in_threadpool(_lease, app.state.engine, queue, options.max_messages, lock)
     if not messages and wait_s > 0:
-        await app.state.arrivals.listen()
         queue_id = await run_in_threadpool(_queue_id, app.state.engine, queue)
         with app.state.arrivals.subscription(queue_id) as arrived:
             while not messages and (remaining := deadline - time.monotonic()) > 0:
+                await app.state.arrivals.listen()  # again after the listener broke
                 arrived.clear()
                 messages = await run_in_threadpool(_lease, app.state.engine, queue, options.max_messages, lock)
                 if not messages:
