@@ -1,22 +1,77 @@
 """The `broker` command."""
+import re
+import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 
+import psycopg2
 import typer
 from rich.console import Console
+from rich.text import Text
 from sqlalchemy import Engine, create_engine
 
 from broker import migrate as migrations
 from broker.embedded import EmbeddedPostgres
+from broker.masking import mask_passwords
 from broker.settings import Settings
 
 app = typer.Typer(help="Exactly-once-in-order messaging between PostgreSQL databases.", no_args_is_help=True,
-                  add_completion=False)
+                  add_completion=False, pretty_exceptions_enable=False)
 console = Console()
+stderr = Console(stderr=True)  # failures and notices: stdout keeps what a script reads
+
+# PostgreSQL's errors for a schema, table or function that is not there: the broker schema is missing or old.
+SCHEMA_MISSING = {"3F000", "42P01", "42883"}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _log_to_stderr() -> None:
+    """For the long-running commands: warnings and errors with their time, level and origin."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main() -> None:
+    """The `broker` command: any failure is one line on stderr that says what to do, never a traceback."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except Exception as error:  # every failure, whatever raised it, is told the same way
+        stderr.print(f"broker: {failure_line(error)}", markup=False, highlight=False, soft_wrap=True)
+        raise SystemExit(1) from None
+
+
+def failure_line(error: Exception) -> str:
+    """What failed and what to do, in one line, with any password masked."""
+    cause = getattr(error, "orig", None) or error  # SQLAlchemy wraps the driver's error
+    words = str(cause).strip()
+    first = mask_passwords(visible(words.splitlines()[0] if words else type(cause).__name__))
+    if isinstance(cause, psycopg2.OperationalError):
+        return f"cannot use the database: {first} (check BROKER_DATABASE_URL, and that its server runs)"
+    if isinstance(cause, psycopg2.Error) and cause.pgcode in SCHEMA_MISSING:
+        return f"the database has no broker schema of this version ({first}): run `broker migrate`"
+    return f"{type(cause).__name__}: {first}"
+
+
+def visible(text: str) -> str:
+    """Text with control characters (an escape sequence's ESC among them) written as \\xNN, not acted on."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
+def cell(value: object) -> Text:
+    """A table cell for text from data or from a peer: shown as it is, never read as markup."""
+    return Text(visible(str(value)))
+
+
+def add_cells(table, *values: object) -> None:
+    table.add_row(*map(cell, values))
 
 
 @contextmanager
@@ -75,49 +130,63 @@ def serve(
 
     import uvicorn
 
+    from api import connections
     from api.main import create_app
-    from broker.relay import Relay
 
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("give --tls-cert and --tls-key together")
+    _log_to_stderr()
     settings = Settings()
+    # SIGTERM unwinds like Ctrl-C (the server passes both on once it has shut down), so that the node stops
+    # what it started: its relay and its embedded PostgreSQL.
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     with database(settings) as (url, _):
         if migrate:
             migrations.upgrade(url)
         stop = threading.Event()
-        ca_file = str(settings.tls_ca_file) if settings.tls_ca_file else None
-        relaying = threading.Thread(target=Relay(url, tls_ca_file=ca_file).run, args=(stop,), name="relay",
-                                    daemon=True)
+        relaying = threading.Thread(target=_relay(url, settings).run, args=(stop,), name="relay", daemon=True)
         if relay:
             relaying.start()
         scheme = "https" if tls_cert else "http"
         console.print(f"node listening on {scheme}://{host}:{port}" + (" with its relay" if relay else ""))
         try:
-            app = create_app(url, max_request_bytes=settings.max_request_bytes, max_wait_ms=settings.max_wait_ms)
-            uvicorn.run(app, host=host, port=port, log_level="warning",
-                        ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
+            app = create_app(url, max_request_bytes=settings.max_request_bytes,
+                             max_batch_bytes=settings.max_batch_bytes, max_wait_ms=settings.max_wait_ms,
+                             api_connections=settings.api_connections,
+                             api_connection_wait_s=settings.api_connection_wait_s,
+                             request_timeout_s=settings.request_timeout_s)
+            # A stop waits at most a few seconds for requests in progress (a long poll may wait a minute).
+            uvicorn.run(app, host=host, port=port, log_level="warning", http=connections.protocol(
+                settings.request_timeout_s), limit_concurrency=settings.max_connections,
+                timeout_graceful_shutdown=5, ssl_certfile=str(tls_cert) if tls_cert else None,
+                ssl_keyfile=str(tls_key) if tls_key else None)
         finally:
             stop.set()
             if relay:
                 relaying.join(timeout=10)
 
 
+def _relay(url: str, settings: Settings):
+    """A relay for the database, as the settings say."""
+    from broker.relay import Relay
+
+    return Relay(url, batch_messages=settings.relay_batch_messages, batch_bytes=settings.relay_batch_bytes,
+                 tls_ca_file=str(settings.tls_ca_file) if settings.tls_ca_file else None)
+
+
 @app.command()
 def relay() -> None:
     """Run only a relay for the database: several relays may run at once, one per destination at a time."""
-    import signal
     import threading
 
-    from broker.relay import Relay
-
+    _log_to_stderr()
     settings = Settings()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     with database(settings) as (url, _):
-        ca_file = str(settings.tls_ca_file) if settings.tls_ca_file else None
         console.print("relaying the transmission queue; Ctrl-C stops")
-        Relay(url, tls_ca_file=ca_file).run(stop)
+        _relay(url, settings).run(stop)
 
 
 keys = typer.Typer(help="API keys for the REST API: each has scopes, and only its hash is stored.",
@@ -138,8 +207,8 @@ def create_key(
             key = api_keys.create(connection, name, scope)
         except ValueError as error:
             raise typer.BadParameter(str(error), param_hint="--scope") from error
-    console.print(f"created key for [bold]{name}[/bold] with {', '.join(scope)}; keep it now, it is not stored:",
-                  style="dim", highlight=False)
+    stderr.print(Text(f"created key for {visible(name)} with {visible(', '.join(scope))}; keep it now, it is not "
+                      "stored:", style="dim"), highlight=False)
     print(key)
 
 
@@ -154,8 +223,8 @@ def list_keys() -> None:
         rows = api_keys.list_keys(connection)
     table = Table("key id", "name", "scopes", "created", "revoked")
     for row in rows:
-        table.add_row(row.key_id, row.name, " ".join(row.scopes), f"{row.created_at:%Y-%m-%d %H:%M}",
-                      f"{row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "")
+        add_cells(table, row.key_id, row.name, " ".join(row.scopes), f"{row.created_at:%Y-%m-%d %H:%M}",
+                         f"{row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "")
     console.print(table)
 
 
@@ -189,28 +258,28 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
     queues = Table("queue", "status", "depth", "oldest", "readers", "dead letters", title="Queues",
                    title_justify="left")
     for q in report["queues"]:
-        queues.add_row(q["queue_name"], q["status"], f"{q['depth']:,}", age(q["oldest_message_age_s"]),
-                       str(q["readers"]), str(q["dead_letters"]))
+        add_cells(queues, q["queue_name"], q["status"], f"{q['depth']:,}", age(q["oldest_message_age_s"]),
+                          str(q["readers"]), str(q["dead_letters"]))
     conversations = Table("service", "state", "endpoints", "without lifetime", "oldest",
                           title="Conversation endpoints", title_justify="left")
     for c in report["conversations"]:
-        conversations.add_row(c["service_name"], c["state"].replace("_", " "), f"{c['endpoints']:,}",
-                              f"{c['without_lifetime']:,}", f"{c['oldest_created_at']:%Y-%m-%d %H:%M:%S}")
+        add_cells(conversations, c["service_name"], c["state"].replace("_", " "), f"{c['endpoints']:,}",
+                                 f"{c['without_lifetime']:,}", f"{c['oldest_created_at']:%Y-%m-%d %H:%M:%S}")
     transmission = Table("destination", "messages", "conversations", "oldest", "attempts", "status",
                          title="Transmission queue", title_justify="left")
     for t in report["transmission_queue"]:
-        transmission.add_row(t["destination"], f"{t['messages']:,}", f"{t['conversations']:,}",
-                             age(t["oldest_message_age_s"]), str(t["attempts"]), t["status"])
+        add_cells(transmission, t["destination"], f"{t['messages']:,}", f"{t['conversations']:,}",
+                                age(t["oldest_message_age_s"]), str(t["attempts"]), t["status"])
     ingests = Table("queue", "output", "position", "rows", "runs", "last run at", title="Spark ingests",
                     title_justify="left")
     for i in report["ingests"]:
-        ingests.add_row(i["queue_name"], i["output"], str(i["queue_position"]), f"{i['rows_ingested']:,}",
-                        str(i["runs"]), f"{i['updated_at']:%Y-%m-%d %H:%M:%S}")
+        add_cells(ingests, i["queue_name"], i["output"], str(i["queue_position"]), f"{i['rows_ingested']:,}",
+                           str(i["runs"]), f"{i['updated_at']:%Y-%m-%d %H:%M:%S}")
     dead = Table("queue", "conversation", "#", "message type", "reason", "at", title="Latest dead letters",
                  title_justify="left")
     for d in report["dead_letters"]:
-        dead.add_row(d["queue_name"], str(d["conversation_id"]), str(d["message_sequence_number"]),
-                     d["message_type"], d["reason"], f"{d['dead_lettered_at']:%Y-%m-%d %H:%M:%S}")
+        add_cells(dead, d["queue_name"], str(d["conversation_id"]), str(d["message_sequence_number"]),
+                        d["message_type"], d["reason"], f"{d['dead_lettered_at']:%Y-%m-%d %H:%M:%S}")
     for table in (queues, conversations, transmission, ingests, dead):
         if table.row_count:
             console.print(table)
@@ -244,7 +313,7 @@ def diagnose(as_json: bool = typer.Option(False, "--json", help="print JSON inst
         table = Table("", "check", "finding", "what to do")
         marks = {"ok": "[green]✓[/green]", "warning": "[yellow]![/yellow]", "error": "[red]✗[/red]"}
         for finding in findings:
-            table.add_row(marks[finding.level], finding.check, finding.finding, finding.advice)
+            table.add_row(marks[finding.level], cell(finding.check), cell(finding.finding), cell(finding.advice))
         console.print(table)
     errors = sum(finding.level == "error" for finding in findings)
     if not as_json:
@@ -290,7 +359,8 @@ def ingest(
             summary = ingest_queue(spark, url, queue, output, partitions=partitions, consume=consume,
                                    fetch_size=fetch_size, on_progress=show)
         except (BrokerError, IngestError) as error:
-            console.print(f"ingest failed: {error}", style="red", highlight=False)
+            stderr.print(Text(f"ingest failed: {mask_passwords(visible(str(error)))}", style="red"), highlight=False,
+                         soft_wrap=True)
             raise typer.Exit(1) from error
     console.print(summary.describe(), highlight=False)
 
@@ -324,9 +394,17 @@ def bench(
 @app.command()
 def psql() -> None:
     """Open psql on the broker's database (the embedded one unless BROKER_DATABASE_URL is set)."""
+    import os
+
+    from sqlalchemy.engine import make_url
+
     with database(Settings()) as (url, server):
         client = str(server.bin_dir / "psql") if server else "psql"
-        raise typer.Exit(subprocess.call([client, url]))
+        # The password goes to psql in its environment, not on a command line that any process can read.
+        given = make_url(url)
+        environment = {**os.environ, **({"PGPASSWORD": given.password} if given.password else {})}
+        raise typer.Exit(subprocess.call([client, given.set(password=None).render_as_string(hide_password=False)],
+                                         env=environment))
 
 
 @app.command()
@@ -345,4 +423,4 @@ def demo(
 
 
 if __name__ == "__main__":
-    app()
+    main()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 import httpx
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import Connection, text
 
 from broker import signing
@@ -40,12 +41,54 @@ FAILING_DESTINATIONS = text(
     " WHERE t.attempts > 0 GROUP BY r.address ORDER BY r.address")
 
 
+# A destination that has refused this many attempts in a row keeps refusing: an error, not a passing failure.
+REFUSING_ATTEMPTS = 3
+# What to do about a destination that does not take our batches, by the words of its last failure.
+REFUSAL_ADVICE = [
+    ("HTTP 413", "on that node raise BROKER_MAX_BATCH_BYTES above the largest message (its max_message_bytes "
+                 "and a few KB), or send smaller messages"),
+    ("HTTP 401", "that node refuses our signature: give the routes on both nodes the same secret and the right "
+                 "broker_instance, and keep the clocks in sync (NTP)"),
+    ("HTTP 5", "that node fails: look at its log"),
+    ("cannot reach", "start that node ('broker serve'), or fix the routes' address"),
+    ("not signed by the peer", "use the same secret in the routes on both nodes"),
+    ("is broker instance", "recreate the routes to that node with its broker_instance"),
+]
+
+
+def refusal_advice(status: str) -> str:
+    return next((advice for words, advice in REFUSAL_ADVICE if words in status),
+                "see the checks of that node's routes below")
+
+
+class OfferedService(BaseModel):
+    queue: str
+    queue_enabled: bool
+    contracts: list[str]
+
+
+class Description(BaseModel):
+    """What a peer's describe endpoint answers: checked before any of it is used."""
+    services: dict[str, OfferedService]
+    contracts: dict[str, dict]
+    routes_to_you: list[str]
+
+
 @dataclass(frozen=True, slots=True)
 class Finding:
     level: str  # "ok", "warning" or "error"
     check: str
     finding: str
     advice: str = ""
+
+
+def _member(response: httpx.Response, name: str) -> object:
+    """A member of a JSON object answer; None when the answer is not one."""
+    try:
+        answer = response.json()
+    except ValueError:
+        return None
+    return answer.get(name) if isinstance(answer, dict) else None
 
 
 def _ok(check: str, finding: str) -> Finding:
@@ -72,17 +115,20 @@ def _local_findings(connection: Connection, schema_head: str) -> list[Finding]:
             "'<that node's broker_instance>', '<the secret you share with it>')"))
     for destination in connection.execute(FAILING_DESTINATIONS):
         findings.append(Finding(
-            "warning", f"transmission to {destination.address}",
+            # a message refused as too large on its own never goes until a limit changes
+            "error" if destination.attempts >= REFUSING_ATTEMPTS or "HTTP 413" in destination.status else "warning",
+            f"transmission to {destination.address}",
             f"{destination.messages} messages waiting, up to {destination.attempts} attempts: {destination.status}",
-            "see the checks of that node's routes below"))
+            refusal_advice(destination.status)))
     return findings
 
 
-def _describe(client: httpx.Client, address: str, instance: str, secret: str, services: list[str],
-              contracts: list[str]) -> httpx.Response:
+def _describe(client: httpx.Client, address: str, instance: str, destination: str, secret: str,
+              services: list[str], contracts: list[str]) -> httpx.Response:
     body = json.dumps({"services": services, "contracts": contracts}).encode()
-    return client.post(f"{address}/transport/v1/describe", content=body,
-                       headers=signing.signed_headers(secret, instance, body))
+    purpose = signing.request_purpose("POST", signing.DESCRIBE_PATH, destination)
+    return client.post(f"{address}{signing.DESCRIBE_PATH}", content=body,
+                       headers=signing.signed_headers(secret, instance, purpose, body))
 
 
 def _peer_findings(client: httpx.Client, address: str, route_instance: str, secret: str, services: list[str],
@@ -97,14 +143,14 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
                         "start that node ('broker serve'), or fix the routes' address")]
     if health.status_code != 200:
         return [Finding("error", check, f"/healthz answers {health.status_code}", "look at that node's log")]
-    their_instance = health.json().get("broker_instance")
+    their_instance = _member(health, "broker_instance")
     if their_instance != route_instance:
         return [Finding("error", check, f"is instance {their_instance}, the routes to it say {route_instance}",
                         f"recreate the routes of {', '.join(services)} with broker_instance {their_instance}")]
 
-    answer = _describe(client, address, our_instance, secret, services, sorted(our_contracts))
+    answer = _describe(client, address, our_instance, route_instance, secret, services, sorted(our_contracts))
     if answer.status_code == 401:
-        detail = answer.json().get("detail", "")
+        detail = str(_member(answer, "detail") or "")
         return [Finding("error", check, f"refuses our signature: {detail}",
                         "keep the clocks in sync (NTP)" if "clock" in detail else
                         f"that node needs a route to one of our services with our broker_instance {our_instance} "
@@ -114,7 +160,9 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
                         "upgrade that node to this version")]
     try:
         signing.matching_secret([secret], answer.headers.get(signing.TIMESTAMP_HEADER),
-                                answer.headers.get(signing.SIGNATURE_HEADER), answer.content)
+                                answer.headers.get(signing.SIGNATURE_HEADER),
+                                signing.answer_purpose(answer.request.headers[signing.SIGNATURE_HEADER]),
+                                answer.content)
     except signing.BadSignature as refusal:
         return [Finding("error", check, f"its answer is not signed with our shared secret: {refusal}",
                         "use the same secret in the routes on both nodes")]
@@ -123,32 +171,36 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
                 if skew <= signing.MAX_CLOCK_SKEW_S / 2 else
                 Finding("warning", check, f"its clock is {skew:.0f} s from ours (at most {signing.MAX_CLOCK_SKEW_S} s "
                         "are accepted)", "keep the clocks in sync (NTP)")]
-    described = answer.json()
+    try:
+        described = Description.model_validate_json(answer.content)
+    except ValidationError as error:
+        return findings + [Finding("error", check, f"its description of itself is malformed ({error.error_count()} "
+                                   "problems)", "upgrade that node to this version")]
     for service in services:
-        offered = described["services"].get(service)
+        offered = described.services.get(service)
         if offered is None:
             findings.append(Finding("error", f"service {service}", f"{address} has no service {service}",
                                     f"create it on that node, or point the route of {service} elsewhere"))
             continue
-        if not offered["queue_enabled"]:
+        if not offered.queue_enabled:
             findings.append(Finding("error", f"service {service}",
-                                    f"its queue {offered['queue']} on {address} is disabled",
+                                    f"its queue {offered.queue} on {address} is disabled",
                                     "on that node: look at broker.dead_letters, then enable the queue with "
                                     "broker.alter_queue"))
-        refused = contracts_in_use.get(service, set()) - set(offered["contracts"])
+        refused = contracts_in_use.get(service, set()) - set(offered.contracts)
         for contract in sorted(refused):
             findings.append(Finding("error", f"service {service}",
                                     f"conversations here use contract {contract}, which it does not accept",
                                     f"on that node: add {contract} to the contracts of {service}"))
-        for contract in offered["contracts"]:
-            theirs, ours = described["contracts"].get(contract), our_contracts.get(contract)
+        for contract in offered.contracts:
+            theirs, ours = described.contracts.get(contract), our_contracts.get(contract)
             if ours is not None and theirs != ours:
                 findings.append(Finding("error", f"contract {contract}",
                                         f"differs: here {json.dumps(ours)}, on {address} {json.dumps(theirs)}",
                                         "define it the same way on both nodes"))
-        if offered["queue_enabled"] and not refused:
-            findings.append(_ok(f"service {service}", f"on {address}, accepts {', '.join(offered['contracts'])}"))
-    if not described["routes_to_you"]:
+        if offered.queue_enabled and not refused:
+            findings.append(_ok(f"service {service}", f"on {address}, accepts {', '.join(offered.contracts)}"))
+    if not described.routes_to_you:
         findings.append(Finding("warning", check, "has no route to any service here: its replies cannot reach us",
                                 f"on that node: broker.create_route('<our service>', '<our address>', "
                                 f"'{our_instance}', '<the shared secret>')"))

@@ -7,10 +7,15 @@ twice, and the process that reattached it owns it from then on.  A server whose
 owner is alive (a `broker serve` while `broker keys` runs) is joined as a guest
 and left running.  As root, the server runs as the unprivileged user "pgserver", which
 PostgreSQL requires.
+
+It takes password logins only: the superuser's password is generated once and kept
+beside the data, readable by its owner alone (mode 0600), and set in single-user mode
+before the server first listens, so there is never a moment without it.
 """
 import atexit
 import logging
 import os
+import secrets
 import subprocess
 import warnings
 from pathlib import Path
@@ -28,14 +33,13 @@ with warnings.catch_warnings():  # it warns at import about XDG_RUNTIME_DIR, whi
 log = logging.getLogger(__name__)
 
 DATABASE = "broker"
-
-
-def _accepts_connections(port: int) -> bool:
-    try:
-        psycopg2.connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres", connect_timeout=3).close()
-        return True
-    except psycopg2.OperationalError:
-        return False
+SUPERUSER = "postgres"
+# Who may connect: anyone on this machine who knows the password, over TCP (the server has no Unix socket).
+CLIENT_AUTHENTICATION = """\
+# Written by the broker: password logins only, over TCP from this machine.
+host all all 127.0.0.1/32 scram-sha-256
+host all all ::1/128 scram-sha-256
+"""
 
 
 class EmbeddedPostgres:
@@ -56,6 +60,39 @@ class EmbeddedPostgres:
     @property
     def owner_file(self) -> Path:
         return self.pgdata.parent / "embedded-owner.pid"
+
+    @property
+    def password_file(self) -> Path:
+        return self.pgdata.parent / "embedded-password"
+
+    def _password(self) -> str:
+        """The superuser's password, made the first time (mode 0600 from the start)."""
+        try:
+            descriptor = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return self.password_file.read_text().strip()
+        password = secrets.token_urlsafe(32)
+        with os.fdopen(descriptor, "w") as file:
+            file.write(password)
+        return password
+
+    def _require_password(self) -> None:
+        """With the server stopped: the superuser's password set in single-user mode, then password logins only."""
+        rules = self.pgdata / "pg_hba.conf"
+        if rules.read_text() == CLIENT_AUTHENTICATION and self.password_file.exists():
+            return
+        pg = self._pg()
+        pgexec("postgres", ["--single", "-D", str(self.pgdata), "postgres"], bin_path=pg.bin_path,
+               user=pg.system_user, timeout=120, input=f"ALTER ROLE {SUPERUSER} PASSWORD '{self._password()}'\n")
+        rules.write_text(CLIENT_AUTHENTICATION)
+
+    def _accepts_connections(self, port: int) -> bool:
+        try:
+            psycopg2.connect(host="127.0.0.1", port=port, user=SUPERUSER, password=self._password(), dbname="postgres",
+                             connect_timeout=3).close()
+            return True
+        except psycopg2.OperationalError:
+            return False
 
     def _owner_is_alive(self) -> bool:
         try:
@@ -81,12 +118,13 @@ class EmbeddedPostgres:
         pg = self._pg()
         pg.ensure_pgdata_inited()
         running = PostmasterInfo.read_from_pgdata(self.pgdata)
-        if running is not None and running.is_running() and running.port and _accepts_connections(running.port):
+        if running is not None and running.is_running() and running.port and self._accepts_connections(running.port):
             self.port = running.port
             self.owned = not self._owner_is_alive()
             log.info("%s the embedded PostgreSQL on port %s (pid %s)",
                      "reattached to" if self.owned else "joined", running.port, running.pid)
         else:
+            self._require_password()
             self.port = self.port or free_port()  # a restart keeps its port, so URLs stay valid
             # Queue tables are emptied all day: autovacuum looks at them every few seconds, not every minute.
             options = f"-h 127.0.0.1 -p {self.port} -k '' -c autovacuum_naptime=5s"
@@ -126,7 +164,7 @@ class EmbeddedPostgres:
     def url(self, database: str = DATABASE) -> str:
         if self.port is None:
             raise RuntimeError("the embedded PostgreSQL is not started")
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+        return f"postgresql://{SUPERUSER}:{self._password()}@127.0.0.1:{self.port}/{database}"
 
     def __enter__(self) -> "EmbeddedPostgres":
         return self.start()

@@ -1,0 +1,11 @@
+"""Passwords masked in any text shown to a person or written to a log."""
+import re
+
+# user:password@ in a URL, and password=... in a connection string or JDBC properties.
+_URL_PASSWORD = re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*:)[^\s/]*@")
+_KEYWORD_PASSWORD = re.compile(r"(?P<keep>\bpassword['\"]?\s*[=:]\s*['\"]?)[^'\"\s&;,)}]+", re.IGNORECASE)
+
+
+def mask_passwords(text: str) -> str:
+    """The text with every password in a URL or a key=value setting replaced by ***."""
+    return _KEYWORD_PASSWORD.sub(r"\g<keep>***", _URL_PASSWORD.sub(r"\g<keep>***@", text))
