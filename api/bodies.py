@@ -9,7 +9,8 @@ from api.problems import Problem
 def encode(body: Any, body_base64: str | None) -> bytes | None:
     """The bytes to store for a request's body or body_base64 (at most one of them)."""
     if body is not None and body_base64 is not None:
-        raise Problem(422, "invalid-request", "Give body or body_base64, not both")
+        raise Problem(422, "invalid-request", "Give body or body_base64, not both",
+                      "body carries a JSON value, body_base64 any bytes; a message has one body")
     if body_base64 is not None:
         try:
             return base64.b64decode(body_base64, validate=True)
@@ -18,11 +19,30 @@ def encode(body: Any, body_base64: str | None) -> bytes | None:
     return None if body is None else json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def decode(stored: bytes | None) -> dict[str, Any]:
-    """{"body": value} when the stored bytes are UTF-8 JSON, else {"body_base64": ...}."""
-    if stored is None:
-        return {"body": None, "body_base64": None}
+def json_text(stored: bytes) -> str | None:
+    """The stored bytes as JSON text to send on as they are, or None when they are not UTF-8 JSON that every
+    parser takes.  Checked by parsing, but never serialised again: a body goes out as it came in, at any
+    depth, without a second copy of its values."""
     try:
-        return {"body": json.loads(stored.decode()), "body_base64": None}
-    except (UnicodeDecodeError, ValueError):
-        return {"body": None, "body_base64": base64.b64encode(stored).decode()}
+        text = stored.decode()
+        json.loads(text, object_pairs_hook=_nothing, parse_int=_nothing, parse_float=_nothing,
+                   parse_constant=_not_json)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return text
+
+
+def _nothing(_value) -> None:
+    """Parsed, and dropped at once: the check keeps no object's members and no number."""
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")  # NaN, Infinity and -Infinity, which Python's parser takes
+
+
+def as_members(stored: bytes | None) -> str:
+    """A body as the members "body" and "body_base64" of a JSON object, without its braces."""
+    text = None if stored is None else json_text(stored)
+    if stored is None or text is not None:
+        return f'"body":{text or "null"},"body_base64":null'
+    return f'"body":null,"body_base64":"{base64.b64encode(stored).decode()}"'

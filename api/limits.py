@@ -1,14 +1,25 @@
-"""Request limits: a body over the size limit gets 413, and one that does not come in time 408, before
-any route sees it."""
+"""Request limits: a body over the size limit gets 413, one that does not come in time 408, and a /v1
+JSON body nested too deep or holding too many values 422, before any route sees it (and so before
+FastAPI builds its Python objects)."""
 import asyncio
 import logging
+import re
 from collections.abc import Callable
+from itertools import accumulate
 
-from api.problems import problem
+import anyio
+
+from api.admission import needs_key
+from api.problems import CLOSE, problem
 
 log = logging.getLogger(__name__)
-# A request refused before its body was read: the connection cannot carry another, so it ends.
-CLOSE = {"Connection": "close"}
+# What a JSON request may hold: as deep as most parsers take (System.Text.Json's default), and values enough
+# for any message meant as JSON; larger documents travel as body_base64.
+MAX_JSON_DEPTH = 64
+MAX_JSON_VALUES = 100_000
+ESCAPE = re.compile(rb"\\.", re.DOTALL)
+STRING = re.compile(rb'"[^"]*"')
+NOT_A_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
 class RequestLimits:
@@ -49,6 +60,14 @@ class RequestLimits:
             if not message.get("more_body"):
                 break
 
+        body = b"".join(message.get("body", b"") for message in messages)
+        messages = [{"type": "http.request", "body": body, "more_body": False}]  # one copy of the body, not two
+        if needs_key(scope["path"]) and _may_hold_too_much(body):
+            refusal = await anyio.to_thread.run_sync(json_refusal, body)
+            if refusal:
+                return await problem(422, "invalid-request", "The request does not match the schema",
+                                     refusal)(scope, receive, send)
+
         async def replay():
             return messages.pop(0) if messages else await receive()
 
@@ -60,3 +79,23 @@ class RequestLimits:
         response = problem(413, "too-large", "The request is larger than this node accepts",
                            f"the limit here is {limit} bytes", headers=CLOSE, limit_bytes=limit)
         await response(scope, receive, send)
+
+
+def _may_hold_too_much(body: bytes) -> bool:
+    """A bound counted at memory speed: every bracket and comma, in strings or not."""
+    containers = body.count(b"[") + body.count(b"{")
+    return containers > MAX_JSON_DEPTH or containers + body.count(b",") >= MAX_JSON_VALUES
+
+
+def json_refusal(body: bytes) -> str | None:
+    """Why a JSON text holds too much, counted on its bytes with its strings left out; None when it does not."""
+    bare = STRING.sub(b"", ESCAPE.sub(b"", body))
+    brackets = bare.translate(None, delete=NOT_A_BRACKET)
+    depth = max(accumulate(1 if bracket in b"[{" else -1 for bracket in brackets), default=0)
+    if depth > MAX_JSON_DEPTH:
+        return f"the JSON is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are taken"
+    values = len(brackets) // 2 + bare.count(b",") + 1
+    if values > MAX_JSON_VALUES:
+        return (f"the JSON holds {values} values; at most {MAX_JSON_VALUES} are taken: send a larger document "
+                "as body_base64")
+    return None

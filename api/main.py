@@ -1,5 +1,6 @@
 """The node's HTTP application: the /v1 REST API, the node-to-node transport, probes and metrics."""
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 
 import anyio
 from fastapi import FastAPI, Request
@@ -10,6 +11,7 @@ from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
+from api.admission import Admission
 from api.arrivals import Arrivals
 from api.limits import RequestLimits
 from api.problems import (InternalErrors, Problem, database_unavailable, from_broker_error, from_problem,
@@ -72,6 +74,7 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
         app.include_router(router)
     app.add_middleware(RequestLimits, limit_for=lambda path: max_batch_bytes if path.startswith("/transport/")
                        else max_request_bytes, timeout_s=request_timeout_s)
+    app.add_middleware(Admission, engine=app.state.engine)  # outside RequestLimits: before the body is read
     app.add_middleware(InternalErrors)
 
     @app.exception_handler(Problem)
@@ -97,7 +100,13 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
 
     @app.exception_handler(HTTPException)
     async def http_problem(request: Request, error: HTTPException):
-        return problem(error.status_code, "http-error", str(error.detail), headers=error.headers)
+        """Starlette's own refusals: no such route, a method the route does not take."""
+        where = f"{request.method} {request.url.path}"
+        detail = {404: f"this node serves no {where}",
+                  405: f"{where} is not served; {request.url.path} takes {(error.headers or {}).get('Allow')}"
+                  }.get(error.status_code, f"{where}: {error.detail}")
+        return problem(error.status_code, "http-error", HTTPStatus(error.status_code).phrase, detail,
+                       headers=error.headers)
 
     @app.exception_handler(UnicodeEncodeError)
     async def unstorable_text(request: Request, error: UnicodeEncodeError):

@@ -15,6 +15,8 @@ from broker import errors
 from broker.masking import mask_passwords
 
 log = logging.getLogger(__name__)
+# A request refused before its body was read: the connection cannot carry another, so it ends.
+CLOSE = {"Connection": "close"}
 
 # status, type, title
 BY_ERROR_CLASS: dict[type[errors.BrokerError], tuple[int, str, str]] = {
@@ -38,7 +40,7 @@ class ProblemDetails(BaseModel):
     type: str = Field(examples=["/problems/unknown-object"])
     title: str = Field(examples=["No such object"])
     status: int = Field(examples=[404])
-    detail: str | None = Field(None, examples=["unknown queue 'orders'"])
+    detail: str = Field(examples=["unknown queue 'orders'"], description="what happened in this case, in words")
     sqlstate: str | None = Field(None, examples=["BR004"])
     hint: str | None = None
     expected_sequence_number: int | None = Field(None, description="with sequence-conflict: the number that comes next")
@@ -47,23 +49,22 @@ class ProblemDetails(BaseModel):
 class Problem(Exception):
     """Raised anywhere in a request to answer with a problem."""
 
-    def __init__(self, status: int, kind: str, title: str, detail: str | None = None, headers: dict | None = None,
-                 **extensions):
+    def __init__(self, status: int, kind: str, title: str, detail: str, headers: dict | None = None, **extensions):
         super().__init__(title)
         self.status, self.kind, self.title, self.detail = status, kind, title, detail
         self.headers, self.extensions = headers, extensions
 
 
-def problem(status: int, kind: str, title: str, detail: str | None = None, headers: dict | None = None,
+def problem(status: int, kind: str, title: str, detail: str, headers: dict | None = None,
             **extensions) -> JSONResponse:
-    body = {"type": f"/problems/{kind}", "title": title, "status": status}
-    if detail:
-        body["detail"] = detail
+    """The response for a problem: every one says in its detail what happened in this case."""
+    body = {"type": f"/problems/{kind}", "title": title, "status": status, "detail": detail}
     body.update({name: value for name, value in extensions.items() if value is not None})
     return JSONResponse(body, status_code=status, media_type="application/problem+json", headers=headers)
 
 
-def database_unavailable(detail: str | None = None) -> JSONResponse:
+def database_unavailable(detail: str = "the node lost its database connection, or a statement timed out or "
+                                        "deadlocked; retry") -> JSONResponse:
     """503 with Retry-After: the database could not do it now, and nothing was applied."""
     return problem(503, "database-unavailable", "The database could not do it now; nothing was applied", detail,
                    headers={"Retry-After": "1"})
@@ -85,7 +86,8 @@ def internal_error(method: str, path: str, error: Exception) -> JSONResponse:
     variables, and passwords masked."""
     trace = "".join(traceback.format_exception(error))
     log.error("%s %s answered 500: %s", method, path, mask_passwords(trace))
-    return problem(500, "internal-error", "The node could not handle the request; it was not applied")
+    return problem(500, "internal-error", "The node could not handle the request; it was not applied",
+                   "the node's log tells what failed; retrying may not help")
 
 
 class InternalErrors:

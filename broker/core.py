@@ -164,14 +164,16 @@ def receive(executor: Executor, queue: str, max_messages: int = 1, *, conversati
     return [ReceivedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows]
 
 
-def receive_with_lock(executor: Executor, queue: str, max_messages: int, lock_duration: timedelta
-                      ) -> list[LockedMessage]:
-    """Leases one conversation group for lock_duration and returns its next messages (peek-lock).
+def receive_with_lock(executor: Executor, queue: str, max_messages: int, lock_duration: timedelta,
+                      max_bytes: int | None = None) -> list[LockedMessage]:
+    """Leases one conversation group for lock_duration and returns its next messages (peek-lock): at most
+    max_messages and, when given, max_bytes of bodies (but always the first message, however large).
 
     They stay in the queue until complete_lock; abandon_lock or expiry hands them out again.
     """
-    rows = _call(executor, "SELECT * FROM broker.receive_with_lock(:queue, :max_messages, :lock_duration)",
-                 queue=queue, max_messages=max_messages, lock_duration=lock_duration)
+    rows = _call(executor, "SELECT * FROM broker.receive_with_lock(:queue, :max_messages, :lock_duration,"
+                           " :max_bytes)",
+                 queue=queue, max_messages=max_messages, lock_duration=lock_duration, max_bytes=max_bytes)
     return [LockedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows]
 
 

@@ -46,8 +46,9 @@ class BadSignature(Exception):
     """Why a request or answer was not accepted as signed by a known peer."""
 
 
-def matching_secret(secrets: list[str], timestamp: str | None, given: str | None, purpose: str, body: bytes) -> str:
-    """The secret under which the signature is good, fresh and for this purpose; raises BadSignature otherwise."""
+def check_fresh(timestamp: str | None, given: str | None) -> None:
+    """Raises BadSignature unless a signature is given with a timestamp within the allowed skew: what can be
+    known of a message before its body has come."""
     if not timestamp or not given:
         raise BadSignature("the message is not signed")
     if not timestamp.isascii() or not timestamp.isdigit():
@@ -56,6 +57,11 @@ def matching_secret(secrets: list[str], timestamp: str | None, given: str | None
     if skew > MAX_CLOCK_SKEW_S:
         raise BadSignature(f"the timestamp is {skew:.0f} s away from this node's clock "
                            f"(at most {MAX_CLOCK_SKEW_S} s allowed)")
+
+
+def matching_secret(secrets: list[str], timestamp: str | None, given: str | None, purpose: str, body: bytes) -> str:
+    """The secret under which the signature is good, fresh and for this purpose; raises BadSignature otherwise."""
+    check_fresh(timestamp, given)
     for secret in secrets:
         if hmac.compare_digest(signature(secret, timestamp, purpose, body).encode(), given.encode()):
             return secret

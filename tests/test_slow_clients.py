@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.nodes import Node
+from tests.rest import new_key
 
 
 @pytest.fixture
@@ -52,9 +53,11 @@ def test_a_client_that_trickles_its_headers_is_cut_off(node):
 
 
 def test_a_body_that_does_not_come_in_time_gets_408(node):
+    """From a client with a valid key: one without gets 401 before its body is waited for."""
+    key = new_key(node.engine, "admin")
     connection = _connect(node)
-    connection.sendall(b"POST /v1/conversations HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: 1000\r\n\r\n{\"from_service\"")
+    connection.sendall(f"POST /v1/conversations HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+                       f"Authorization: Bearer {key}\r\nContent-Length: 1000\r\n\r\n".encode() + b'{"from_service"')
     connection.settimeout(6)
     answer = connection.recv(4096)
     assert answer.startswith(b"HTTP/1.1 408") and b"/problems/request-timeout" in answer

@@ -259,9 +259,9 @@ def test_malformed_batches_get_a_problem_and_store_nothing(nodes, malformed):
     assert _stored(b) == []
 
 
-def test_a_huge_body_gets_413(nodes):
+def test_a_huge_body_from_a_peer_gets_413(nodes):
     a, b = nodes
-    response = httpx.post(f"{b.address}/transport/v1/batches", content=b"x" * (65 * 1024 * 1024), timeout=60)
+    response = _post(b, a, b"x" * (65 * 1024 * 1024))
     assert response.status_code == 413
     assert response.json()["type"] == "/problems/too-large"
 

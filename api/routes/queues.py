@@ -22,7 +22,7 @@ import broker
 from api import bodies
 from api.auth import api_key, require
 from api.problems import RESPONSES, Problem
-from api.types import NamePath
+from api.types import NamePath, Number, integer
 from broker.api_keys import ApiKey
 from broker.metrics import API_ABANDONED, API_COMPLETED, API_RECEIVED
 
@@ -43,10 +43,12 @@ class ReceiveRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"max_messages": 10, "wait_ms": 20000, "lock_s": 60}]})
 
-    max_messages: int = Field(10, ge=1, le=1000, description="at most this many messages of one conversation group")
-    wait_ms: int = Field(0, ge=0, le=60000, description=(
+    max_messages: integer(ge=1, le=1000) = Field(10, description="at most this many messages of one conversation group")
+    wait_ms: integer(ge=0, le=60000) = Field(0, description=(
         "long poll: wait up to this long for a message (the node may cap it lower)"))
-    lock_s: float = Field(30, ge=0.01, le=86400, description="how long the lock holds before the messages come back")
+    lock_s: Number = Field(30, ge=0.01, le=86400, description="how long the lock holds before the messages come back")
+    max_bytes: integer(ge=1, le=2**53 - 1) = Field(4 * 1024 * 1024, description=(
+        "at most this many bytes of bodies, as stored; the first message comes whatever its size"))
 
 
 class Message(BaseModel):
@@ -95,9 +97,10 @@ def _queue_status(row) -> QueueStatus:
     return QueueStatus(**{**row._mapping, "oldest_message_age_s": age.total_seconds() if age else None})
 
 
-def _lease(engine, queue: str, max_messages: int, lock: timedelta) -> list[broker.LockedMessage]:
+def _lease(engine, queue: str, options: ReceiveRequest) -> list[broker.LockedMessage]:
     with engine.begin() as connection:
-        return broker.receive_with_lock(connection, queue, max_messages, lock)
+        return broker.receive_with_lock(connection, queue, options.max_messages, timedelta(seconds=options.lock_s),
+                                        options.max_bytes)
 
 
 def _queue_id(engine, queue: str) -> int:
@@ -118,32 +121,39 @@ async def receive(queue: NamePath, request: Request, options: ReceiveRequest | N
     options = options or ReceiveRequest()
     require(key, f"receive:{queue}")
     app = request.app
-    lock = timedelta(seconds=options.lock_s)
     wait_s = min(options.wait_ms, app.state.max_wait_ms) / 1000
     deadline = time.monotonic() + wait_s
-    messages = await run_in_threadpool(_lease, app.state.engine, queue, options.max_messages, lock)
+    messages = await run_in_threadpool(_lease, app.state.engine, queue, options)
     if not messages and wait_s > 0:
         queue_id = await run_in_threadpool(_queue_id, app.state.engine, queue)
         with app.state.arrivals.subscription(queue_id) as arrived:
             while not messages and (remaining := deadline - time.monotonic()) > 0:
                 await app.state.arrivals.listen()  # again after the listener broke
                 arrived.clear()
-                messages = await run_in_threadpool(_lease, app.state.engine, queue, options.max_messages, lock)
+                messages = await run_in_threadpool(_lease, app.state.engine, queue, options)
                 if not messages:
                     await _wait(arrived, min(remaining, LOOK_AGAIN_S))
     if not messages:
         return Response(status_code=204)
     API_RECEIVED.labels(queue).inc(len(messages))
-    return Received(lock_token=messages[0].lock_token, lock_expires_at=messages[0].lock_expires_at,
-                    messages=[_message(m) for m in messages])
+    return _received(messages)
 
 
-def _message(m: broker.LockedMessage) -> Message:
-    return Message(conversation_id=m.conversation_id, conversation_handle=m.conversation_handle,
-                   conversation_group_id=m.conversation_group_id, sequence_number=m.message_sequence_number,
-                   message_type=m.message_type, service_name=m.service_name, contract_name=m.contract_name,
-                   enqueued_at=m.enqueued_at, queue_position=m.queue_position, delivery_count=m.delivery_count,
-                   **bodies.decode(m.body))
+def _received(messages: list[broker.LockedMessage]) -> Response:
+    """The Received document, written with each body spliced in as stored (api.bodies.as_members): a large
+    body is neither parsed into values nor copied more than once on its way out."""
+    lock = Received(lock_token=messages[0].lock_token, lock_expires_at=messages[0].lock_expires_at, messages=[])
+    envelope = lock.model_dump_json(exclude={"messages"})
+    return Response(f'{envelope[:-1]},"messages":[{",".join(_message_json(m) for m in messages)}]}}',
+                    media_type="application/json")
+
+
+def _message_json(m: broker.LockedMessage) -> str:
+    fields = Message(conversation_id=m.conversation_id, conversation_handle=m.conversation_handle,
+                     conversation_group_id=m.conversation_group_id, sequence_number=m.message_sequence_number,
+                     message_type=m.message_type, service_name=m.service_name, contract_name=m.contract_name,
+                     enqueued_at=m.enqueued_at, queue_position=m.queue_position, delivery_count=m.delivery_count)
+    return f'{fields.model_dump_json(exclude={"body", "body_base64"})[:-1]},{bodies.as_members(m.body)}}}'
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:

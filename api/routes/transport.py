@@ -12,7 +12,6 @@ contracts, and its routes back to the peer), for `broker diagnose` on the peer.
 """
 import io
 import json
-from uuid import UUID
 
 import psycopg2
 from fastapi import APIRouter, Request
@@ -21,6 +20,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import text
 
+from api.admission import peer_instance
 from api.problems import database_unavailable, problem
 from broker import signing
 from broker.sessions import with_temporary_table
@@ -51,13 +51,6 @@ DESCRIBE_CONTRACTS = text(
 ROUTES_TO_PEER = text("SELECT service_name FROM broker.routes WHERE broker_instance = :instance ORDER BY 1")
 
 
-def _peer_instance(request: Request) -> str | None:
-    try:
-        return str(UUID(request.headers.get(signing.INSTANCE_HEADER, "")))
-    except ValueError:
-        return None
-
-
 def _secret_of_signer(connection, request: Request, path: str, instance: str, body: bytes) -> str:
     """The secret the request is signed under, for this endpoint of this node; raises signing.BadSignature
     when no peer signed it so."""
@@ -67,16 +60,12 @@ def _secret_of_signer(connection, request: Request, path: str, instance: str, bo
                                    request.headers.get(signing.SIGNATURE_HEADER), purpose, body)
 
 
-def _unknown_peer() -> Response:
-    return problem(401, "unknown-peer", "the request does not name a broker instance")
-
-
 def _bad_signature(refusal: signing.BadSignature) -> Response:
-    return problem(401, "bad-signature", "the request is not signed by a known peer", str(refusal))
+    return problem(401, "bad-signature", "The request is not signed by a known peer", str(refusal))
 
 
 def _malformed(kind: str, detail: str) -> Response:
-    return problem(400, kind, "the body is not what this endpoint takes", detail)
+    return problem(400, kind, "The body is not what this endpoint takes", detail)
 
 
 def _signed_answer(request: Request, secret: str, answer: bytes) -> Response:
@@ -88,9 +77,7 @@ def _signed_answer(request: Request, secret: str, answer: bytes) -> Response:
 
 @router.post(signing.BATCHES_PATH, include_in_schema=False)
 async def receive_batch(request: Request) -> Response:
-    instance = _peer_instance(request)
-    if instance is None:
-        return _unknown_peer()
+    instance = peer_instance(request)  # admitted: a peer this node routes to (api.admission)
     batch = await request.body()  # at most max_batch_bytes: see api.limits
 
     def accept() -> Response:
@@ -121,9 +108,7 @@ class DescribeRequest(BaseModel):
 
 @router.post(signing.DESCRIBE_PATH, include_in_schema=False)
 async def describe(request: Request) -> Response:
-    instance = _peer_instance(request)
-    if instance is None:
-        return _unknown_peer()
+    instance = peer_instance(request)  # admitted: a peer this node routes to (api.admission)
     body = await request.body()
 
     def describe_catalog() -> Response:

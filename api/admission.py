@@ -1,0 +1,95 @@
+"""Admission: who sends a request is settled from its headers, before its body is read.
+
+A /v1 request and /metrics need a valid API key; a /transport request needs the headers of a
+peer this node routes to, with a fresh timestamp.  Anything else is answered 401 at once, with
+Connection: close, so that an outsider spends the node no more than its headers.  The key is
+handed on to the route (api.auth); a peer's signature over its body is checked once the body has
+come (api.routes.transport).
+"""
+from uuid import UUID
+
+import anyio
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.requests import Request
+
+from api.problems import CLOSE, database_unavailable, problem
+from broker import api_keys, signing
+
+KEY_SCHEME = "bearer "
+PEER_IS_ROUTED = text("SELECT EXISTS (SELECT FROM broker.routes WHERE broker_instance = :instance)")
+
+
+def needs_key(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/metrics"
+
+
+def unauthorized():
+    return problem(401, "unauthorized", "A valid API key is required",
+                   "send it as 'Authorization: Bearer <key>'; create one with 'broker keys create'",
+                   headers={"WWW-Authenticate": "Bearer", **CLOSE})
+
+
+def unknown_peer(detail: str):
+    return problem(401, "unknown-peer", "The request does not come from a peer of this node", detail,
+                   headers=CLOSE)
+
+
+def peer_instance(request: Request) -> str | None:
+    try:
+        return str(UUID(request.headers.get(signing.INSTANCE_HEADER, "")))
+    except ValueError:
+        return None
+
+
+class Admission:
+    """Pure ASGI middleware, outside api.limits: nothing of the body is read before it lets a request in."""
+
+    def __init__(self, app, engine):
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            request = Request(scope)
+            try:
+                refusal = await self._refusal(request)
+            except (DBAPIError, PoolTimeout):
+                refusal = database_unavailable("the node could not look up who sent the request")
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    async def _refusal(self, request: Request):
+        """A response refusing the request, or None to let it in (with its key in request.state.api_key)."""
+        path = request.url.path
+        if needs_key(path):
+            authorization = request.headers.get("authorization", "")
+            if not authorization.lower().startswith(KEY_SCHEME):
+                return unauthorized()
+            key = await anyio.to_thread.run_sync(self._verify, authorization[len(KEY_SCHEME):].strip())
+            if key is None:
+                return unauthorized()
+            request.state.api_key = key
+        elif path.startswith("/transport/"):
+            instance = peer_instance(request)
+            if instance is None:
+                return unknown_peer(f"name your broker_instance in {signing.INSTANCE_HEADER}")
+            try:
+                signing.check_fresh(request.headers.get(signing.TIMESTAMP_HEADER),
+                                    request.headers.get(signing.SIGNATURE_HEADER))
+            except signing.BadSignature as refusal:
+                return problem(401, "bad-signature", "The request is not signed by a known peer", str(refusal),
+                               headers=CLOSE)
+            if not await anyio.to_thread.run_sync(self._routed, instance):
+                return unknown_peer(f"this node has no route to broker instance {instance}")
+        return None
+
+    def _verify(self, presented: str):
+        with self.engine.connect() as connection:
+            return api_keys.verify(connection, presented)
+
+    def _routed(self, instance: str) -> bool:
+        with self.engine.connect() as connection:
+            return connection.execute(PEER_IS_ROUTED, {"instance": instance}).scalar_one()
