@@ -11,7 +11,7 @@ import broker
 from api import bodies
 from api.auth import api_key, require
 from api.problems import RESPONSES, Problem
-from api.types import Name, Text
+from api.types import Name, Text, integer
 from broker.api_keys import ApiKey
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=RESPONSES)
@@ -26,7 +26,7 @@ class BeginConversation(BaseModel):
     from_service: Name = Field(description="the local service that begins (needs send:<from_service>)")
     to_service: Name = Field(description="a local service, or a remote one with a route")
     contract: Name
-    lifetime_s: int | None = Field(None, gt=0, le=10 * 365 * 86400,
+    lifetime_s: integer(gt=0, le=10 * 365 * 86400) | None = Field(None,
                                    description="end the conversation with broker.error (-1) after this long")
     related_conversation_group: UUID | None = Field(None, description="join an existing conversation group")
 
@@ -61,7 +61,7 @@ class SendMessage(BaseModel):
     body_base64: str | None = Field(
         None, pattern=r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$",
         description="raw bytes, base64 (RFC 4648, padded): instead of body")
-    sequence_number: int | None = Field(None, ge=1, le=2**53 - 1, description=(
+    sequence_number: integer(ge=1, le=2**53 - 1) | None = Field(None, description=(
         "makes the send idempotent: the number this message must get. Resending the same number with the same "
         "content returns the stored result; another content, or a number out of turn, is 409"))
 
@@ -75,7 +75,7 @@ class EndConversation(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {}, {"error_code": 42, "error_description": "out of stock"}]})
 
-    error_code: int | None = Field(None, ge=-2**31, le=2**31 - 1)
+    error_code: integer(ge=-2**31, le=2**31 - 1) | None = None
     error_description: Text | None = Field(None, max_length=4000)
 
 
