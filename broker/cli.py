@@ -30,6 +30,18 @@ SCHEMA_MISSING = {"3F000", "42P01", "42883"}
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
+class MissingExtra(Exception):
+    """A command whose optional dependencies are not installed: a node installs none of them."""
+
+
+def require_extra(command: str, extra: str, *modules: str) -> None:
+    """Stops a command before it starts anything when its extra (see pyproject.toml) is not installed."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(module) is None for module in modules):
+        raise MissingExtra(f"broker {command} needs the {extra} extra: pip install 'pg-broker[{extra}]'")
+
+
 def _log_to_stderr() -> None:
     """For the long-running commands: warnings and errors with their time, level and origin."""
     import logging
@@ -50,6 +62,8 @@ def main() -> None:
 
 def failure_line(error: Exception) -> str:
     """What failed and what to do, in one line, with any password masked."""
+    if isinstance(error, MissingExtra):
+        return str(error)
     cause = getattr(error, "orig", None) or error  # SQLAlchemy wraps the driver's error
     words = str(cause).strip()
     first = mask_passwords(visible(words.splitlines()[0] if words else type(cause).__name__))
@@ -337,6 +351,7 @@ def ingest(
     Each run reads the positions above the last checkpoint up to a high-water mark fixed at its start,
     writes them as one directory of the dataset, then advances the checkpoint.
     """
+    require_extra("ingest", "spark", "pyspark")
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from broker.errors import BrokerError
@@ -381,8 +396,9 @@ def bench(
     With BROKER_DATABASE_URL set, databases broker_bench_* are created on that server and dropped after;
     otherwise an embedded PostgreSQL is started in a temporary folder.
     """
-    from broker.bench.results import markdown_table
-    from broker.bench.runner import run_bench
+    require_extra("bench", "bench", "pyspark", "psutil", "pika", "matplotlib")
+    from bench.results import markdown_table
+    from bench.runner import run_bench
 
     results = run_bench(output, quick=quick, repetitions=repetitions, soak_minutes=soak,
                         server_url=Settings().database_url,
@@ -415,6 +431,7 @@ def demo(
     """Two nodes on throwaway embedded databases converse across the HTTP relay (whose relay is killed and
     restarted midway), Spark ingests what arrived, the warehouses consume it in order; the summary shows
     that every message arrived once, in order, and was ingested once. Leaves nothing running."""
+    require_extra("demo", "spark", "pyspark")
     from broker.demo import run_demo
 
     with tempfile.TemporaryDirectory(prefix="broker-demo-") as folder:

@@ -2,6 +2,7 @@
 import getpass
 import os
 import re
+from importlib import resources
 from pathlib import Path
 
 from sqlalchemy.engine import make_url
@@ -13,7 +14,7 @@ DEBIAN_DRIVER_JAR = Path("/usr/share/java/postgresql.jar")
 DRIVER_PACKAGE = "org.postgresql:postgresql:42.7.4"
 DRIVER_CLASS = "org.postgresql.Driver"
 # Quiet driver logging (warnings only) for runs this module starts.
-LOG_CONFIGURATION = Path(__file__).with_name("log4j2.properties")
+LOG_CONFIGURATION = resources.files("spark_ingest").joinpath("log4j2.properties")
 
 # libpq's URL parameters that pgjdbc knows under another name.
 _JDBC_PARAMETER_NAMES = {"application_name": "ApplicationName", "connect_timeout": "connectTimeout"}

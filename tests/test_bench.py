@@ -16,7 +16,7 @@ SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", "local 
 
 
 def _bench(admin_url, output, *options):
-    return subprocess.run([sys.executable, "-m", "broker.bench", "--output", str(output), *options],
+    return subprocess.run([sys.executable, "-m", "bench", "--output", str(output), *options],
                           capture_output=True, text=True, timeout=900,
                           env={**os.environ, "BROKER_DATABASE_URL": admin_url, "COLUMNS": "200"})
 

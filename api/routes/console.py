@@ -2,22 +2,26 @@
 import base64
 import hashlib
 import re
-from pathlib import Path
+from datetime import datetime
+from importlib import resources
 from typing import Any
+from uuid import UUID
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse
 from prometheus_client import Counter
+from pydantic import BaseModel
 
 from api.auth import api_key, require
-from api.problems import RESPONSES
+from api.problems import KEYED, error_responses
+from api.routes.queues import QueueStatus
 from broker.api_keys import ApiKey
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_FAILURES, RELAY_SENT
 from broker.status import node_status
 
 router = APIRouter()
-CONSOLE_PAGE = (Path(__file__).parent.parent / "console.html").read_text()
+CONSOLE_PAGE = resources.files("api").joinpath("console.html").read_text()
 
 
 def _inline_source(tag: str) -> str:
@@ -37,14 +41,72 @@ CONSOLE_HEADERS = {
 }
 
 
+class EndpointCount(BaseModel):
+    """The conversation endpoints of a service in one state."""
+
+    service_name: str
+    state: str
+    endpoints: int
+    oldest_created_at: datetime
+    without_lifetime: int
+
+
+class Backlog(BaseModel):
+    """What waits in the transmission queue for one destination, and why (the status of its oldest message)."""
+
+    destination: str
+    messages: int
+    conversations: int
+    oldest_message_age_s: float
+    attempts: int
+    next_attempt_at: datetime
+    status: str
+
+
+class Ingest(BaseModel):
+    queue_name: str
+    output: str
+    queue_position: int
+    last_run: str | None
+    rows_ingested: int
+    runs: int
+    updated_at: datetime
+
+
+class DeadLetter(BaseModel):
+    queue_name: str
+    conversation_id: UUID
+    message_sequence_number: int
+    message_type: str
+    reason: str
+    dead_lettered_at: datetime
+
+
+class RelayTotals(BaseModel):
+    """The relay's counters in this process since it started."""
+
+    sent_total: float
+    acknowledged_total: float
+    failures_total: float
+
+
+class NodeStatus(BaseModel):
+    queues: list[QueueStatus]
+    conversations: list[EndpointCount]
+    transmission_queue: list[Backlog]
+    ingests: list[Ingest]
+    dead_letters: list[DeadLetter]
+    relay: RelayTotals
+
+
 def _total(counter: Counter) -> float:
     return sum(sample.value for metric in counter.collect() for sample in metric.samples
                if sample.name.endswith("_total"))
 
 
-@router.get("/v1/status", tags=["catalog"], responses=RESPONSES,
+@router.get("/v1/status", tags=["catalog"], responses=error_responses(*KEYED),
             summary="What the node is doing: queues, endpoints, transmission queue, ingests, dead letters, relay")
-async def status(request: Request, key: ApiKey = Depends(api_key)) -> dict[str, Any]:
+async def get_status(request: Request, key: ApiKey = Depends(api_key)) -> NodeStatus:
     require(key, "admin")
 
     def read() -> dict[str, Any]:
@@ -52,9 +114,9 @@ async def status(request: Request, key: ApiKey = Depends(api_key)) -> dict[str, 
             return node_status(connection)
 
     report = await run_in_threadpool(read)
-    report["relay"] = {"sent_total": _total(RELAY_SENT), "acknowledged_total": _total(RELAY_ACKNOWLEDGED),
-                       "failures_total": _total(RELAY_FAILURES)}
-    return report
+    relay = RelayTotals(sent_total=_total(RELAY_SENT), acknowledged_total=_total(RELAY_ACKNOWLEDGED),
+                        failures_total=_total(RELAY_FAILURES))
+    return NodeStatus(**report, relay=relay)
 
 
 @router.get("/console", include_in_schema=False, response_class=HTMLResponse)

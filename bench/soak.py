@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import psycopg2
 
-from broker.bench import workload
-from broker.bench.databases import run_sql
-from broker.bench.nodes import TwoNodes
-from broker.bench.results import Measurement, ScenarioResult
+from bench import workload
+from bench.databases import run_sql
+from bench.nodes import TwoNodes
+from bench.results import Measurement, ScenarioResult
 
 DEAD_TUPLES = ("SELECT coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables"
                " WHERE schemaname = 'broker' AND relname IN ('queue_messages', 'transmission_queue')")

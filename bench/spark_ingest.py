@@ -7,7 +7,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, text
 
-from broker.bench.results import Measurement, ScenarioResult, ratio_met
+from bench.results import Measurement, ScenarioResult, ratio_met
 from spark_ingest.jdbc import jdbc_connection, spark_session
 from spark_ingest.job import ingest
 

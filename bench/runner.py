@@ -5,11 +5,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from broker.bench import cross_node, local, rabbitmq, rest, soak, spark_ingest
-from broker.bench.charts import write_charts
-from broker.bench.databases import BenchServer, bench_server, run_sql
-from broker.bench.nodes import TwoNodes
-from broker.bench.results import ScenarioResult, write_results
+from bench import cross_node, local, rabbitmq, rest, soak, spark_ingest
+from bench.charts import write_charts
+from bench.databases import BenchServer, bench_server, run_sql
+from bench.nodes import TwoNodes
+from bench.results import ScenarioResult, write_results
 
 SETTINGS = "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', 'server_version')"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import psycopg2
 
-from broker.bench import workload
-from broker.bench.databases import BenchServer
+from bench import workload
+from bench.databases import BenchServer
 from broker.processes import answers, free_port, start_broker, stop
 
 WAITING_TO_TRANSMIT = "SELECT count(*) FROM broker.transmission_queue"

@@ -16,7 +16,7 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
-from broker.bench.results import Measurement, ScenarioResult
+from bench.results import Measurement, ScenarioResult
 
 HOST, PORT = "127.0.0.1", 5672
 SCENARIO = "RabbitMQ publish + consume"

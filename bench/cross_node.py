@@ -11,9 +11,9 @@ from collections.abc import Callable
 import psycopg2
 import psycopg2.extras
 
-from broker.bench import workload
-from broker.bench.nodes import TwoNodes
-from broker.bench.results import Measurement, ScenarioResult
+from bench import workload
+from bench.nodes import TwoNodes
+from bench.results import Measurement, ScenarioResult
 
 BARE_OUTBOX = ("CREATE TABLE IF NOT EXISTS bench_outbox (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL,"
                " seq bigint NOT NULL, body bytea NOT NULL)")

@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import StrMethodFormatter
 
-from broker.bench.results import Measurement, ScenarioResult
+from bench.results import Measurement, ScenarioResult
 
 MEASURED, BASELINE = "tab:blue", "tab:gray"
 BAR_HEIGHT = 0.38

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import psycopg2
 import psycopg2.extras
 
-from broker.bench import workload
-from broker.bench.databases import BenchServer, run_sql
-from broker.bench.results import Measurement, ScenarioResult, ratio_met
+from bench import workload
+from bench.databases import BenchServer, run_sql
+from bench.results import Measurement, ScenarioResult, ratio_met
 
 BARE_TABLE = ("CREATE TABLE bench_bare (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL, seq bigint NOT NULL,"
               " body bytea NOT NULL)")

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import psycopg2
 
-from broker.bench.databases import run_sql
+from bench.databases import run_sql
 
 MESSAGE_BYTES = 1024
 PER_TRANSACTION = 100

@@ -6,11 +6,11 @@ from pathlib import Path
 import httpx
 from sqlalchemy import create_engine
 
+from bench import workload
+from bench.databases import BenchServer
+from bench.nodes import serve_api
+from bench.results import Measurement, ScenarioResult
 from broker import api_keys
-from broker.bench import workload
-from broker.bench.databases import BenchServer
-from broker.bench.nodes import serve_api
-from broker.bench.results import Measurement, ScenarioResult
 from broker.processes import stop
 
 

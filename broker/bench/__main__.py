@@ -1,6 +1,0 @@
-"""`python -m broker.bench`: the same as `broker bench`."""
-import sys
-
-from broker.cli import app
-
-app(["bench", *sys.argv[1:]], prog_name="python -m broker.bench")
