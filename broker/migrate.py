@@ -1,14 +1,21 @@
 """Applying the Alembic migrations from Python (the CLI and the tests use this)."""
+from importlib import resources
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import create_engine, text
+
+from broker import schema
 
 # Our own version table, so that an application's Alembic history in the same
 # database stays its own.
 VERSION_TABLE = "broker_alembic_version"
-
-_PROJECT_ROOT = Path(__file__).resolve().parent.parent
+LOCK_FIRST_BUILD = text("SELECT pg_advisory_xact_lock(hashtext('broker schema build'))")
+SCHEMA_EXISTS = text("SELECT to_regnamespace('broker') IS NOT NULL"
+                     " OR to_regclass('public.broker_alembic_version') IS NOT NULL")
+# broker/sql/ creates the version table as Alembic does (it grants on it); the row is Alembic's stamp.
+STAMP = text("INSERT INTO public.broker_alembic_version (version_num) VALUES (:revision)")
 
 
 def run_sql_file(path: Path) -> None:
@@ -24,8 +31,11 @@ def run_sql_file(path: Path) -> None:
 
 
 def alembic_config(database_url: str) -> Config:
-    config = Config(str(_PROJECT_ROOT / "alembic.ini"))
-    config.set_main_option("script_location", str(_PROJECT_ROOT / "migrations"))
+    """The configuration alembic.ini gives the `alembic` command in a checkout, built here so that an
+    installed wheel, which has the migrations package but no alembic.ini, needs no file."""
+    config = Config()
+    config.set_main_option("script_location", str(resources.files("migrations")))
+    config.set_main_option("path_separator", "os")
     config.attributes["database_url"] = database_url
     return config
 
@@ -38,7 +48,25 @@ def head_revision() -> str:
 
 
 def upgrade(database_url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(database_url), revision)
+    """To head: a database without the broker's schema is built from its definition (broker/sql/) and
+    stamped, in one transaction; any other goes through the revisions, which hold the deltas."""
+    if revision != "head" or not _build_if_empty(database_url):
+        command.upgrade(alembic_config(database_url), revision)
+
+
+def _build_if_empty(database_url: str) -> bool:
+    """Builds the schema at head in a database that has none yet; False when it has one."""
+    engine = create_engine(database_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(LOCK_FIRST_BUILD)  # two processes starting on one new database build it once
+            if connection.execute(SCHEMA_EXISTS).scalar_one():
+                return False
+            schema.create(connection)
+            connection.execute(STAMP, {"revision": head_revision()})
+        return True
+    finally:
+        engine.dispose()
 
 
 def downgrade(database_url: str, revision: str = "base") -> None:

@@ -1,0 +1,26 @@
+"""The broker's SQL API from its one definition: broker/sql/*.sql, applied in file order.
+
+A fresh database is built from these files; an existing one is upgraded through the Alembic
+revisions, which hold only the deltas.  tests/test_schema_definition.py keeps both the same.
+"""
+from importlib import resources
+from importlib.resources.abc import Traversable
+
+
+def definition_files() -> list[Traversable]:
+    """The definition files, in the order they are applied."""
+    folder = resources.files("broker") / "sql"
+    return sorted((file for file in folder.iterdir() if file.name.endswith(".sql")), key=lambda file: file.name)
+
+
+def create(connection) -> None:
+    """Creates schema broker, as of the head revision, in an empty database.
+
+    `connection` is a SQLAlchemy Connection (Alembic's op.get_bind() is one); everything runs in
+    its transaction.  Straight to the driver's cursor, with no parameters: the plpgsql holds ":"
+    and "%" that SQLAlchemy and psycopg2 would take for placeholders.  Stamping the head revision
+    is the caller's part.
+    """
+    with connection.connection.dbapi_connection.cursor() as cursor:
+        for file in definition_files():
+            cursor.execute(file.read_text())

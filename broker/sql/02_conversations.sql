@@ -1,0 +1,922 @@
+-- Conversations inside one database: endpoints, groups, the destination
+-- queues, and the API an application calls (begin_dialog, send, receive,
+-- end_conversation, timers and lifetimes).
+
+------------------------------------------------------------------------------
+-- Conversations
+------------------------------------------------------------------------------
+
+-- A receive locks one group row; every message of the group waits for it.
+CREATE TABLE broker.conversation_groups (
+    conversation_group_id  uuid PRIMARY KEY,
+    queue_id               integer NOT NULL REFERENCES broker.queues
+);
+
+-- One side of a conversation.  A local conversation has both endpoints here.
+-- send_sequence is the last number this side sent; receive_sequence the last
+-- number it stored without a gap from the far side.  Endpoints are updated
+-- with every message sent or accepted: free space on each page lets those
+-- updates stay on the page (HOT), without index writes.
+CREATE TABLE broker.endpoints (
+    conversation_handle    uuid PRIMARY KEY,
+    conversation_id        uuid NOT NULL,
+    is_initiator           boolean NOT NULL,
+    conversation_group_id  uuid NOT NULL REFERENCES broker.conversation_groups,
+    service_id             integer NOT NULL REFERENCES broker.services,
+    queue_id               integer NOT NULL REFERENCES broker.queues,
+    far_service            text NOT NULL,
+    far_is_local           boolean NOT NULL,
+    far_broker_instance    uuid,
+    contract_id            integer NOT NULL REFERENCES broker.contracts,
+    state                  text NOT NULL DEFAULT 'conversing' CHECK (state IN
+                               ('conversing', 'disconnected_inbound', 'disconnected_outbound', 'error', 'closed')),
+    send_sequence          bigint NOT NULL DEFAULT 0,
+    receive_sequence       bigint NOT NULL DEFAULT 0,
+    expires_at             timestamptz,
+    timer_at               timestamptz,
+    created_at             timestamptz NOT NULL DEFAULT now(),
+    closed_at              timestamptz,
+    UNIQUE (conversation_id, is_initiator)
+) WITH (fillfactor = 70);
+CREATE INDEX endpoints_group ON broker.endpoints (conversation_group_id);
+CREATE INDEX endpoints_timer_due ON broker.endpoints (timer_at) WHERE timer_at IS NOT NULL;
+CREATE INDEX endpoints_lifetime_due ON broker.endpoints (expires_at)
+    WHERE expires_at IS NOT NULL AND state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound');
+
+-- The tombstone of a forgotten endpoint whose far side is remote (see
+-- 06_hygiene.sql): its messages, sent again, are acknowledged, not delivered.
+CREATE TABLE broker.forgotten_conversations (
+    conversation_id      uuid NOT NULL,
+    is_initiator         boolean NOT NULL,
+    far_broker_instance  uuid NOT NULL,
+    receive_sequence     bigint NOT NULL,
+    forgotten_at         timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (conversation_id, is_initiator)
+);
+CREATE INDEX forgotten_conversations_age ON broker.forgotten_conversations (forgotten_at);
+
+------------------------------------------------------------------------------
+-- Destination queue, dead letters
+------------------------------------------------------------------------------
+
+-- queue_position is commit-ordered (see broker._next_queue_position).
+-- message_sequence_number 0 marks a notice raised by this node itself (a
+-- dialog timer, an expired lifetime, a quarantine, a refusal); far-side
+-- messages count from 1.  delivery_count is how often a message was handed
+-- out under a lease.
+--
+-- A notice is received after the far side's messages that were waiting when
+-- it was raised: notice_after holds the number of the last of them.  Within a
+-- conversation messages come in the order of coalesce(notice_after,
+-- message_sequence_number), a notice after the far side's message of the same
+-- number, notices among themselves in the order they were raised; the index
+-- queue_messages_in_order is that order.
+--
+-- Queue tables are written and emptied all day: vacuum them after a small
+-- share of dead rows rather than the default fifth of the table, and without
+-- the cost-based pauses, so a steady stream reuses the same pages.  Rows
+-- inserted are soon deleted: insertions alone never call for a vacuum.
+CREATE TABLE broker.queue_messages (
+    queue_id                 integer NOT NULL,
+    queue_position           bigint NOT NULL,
+    conversation_group_id    uuid NOT NULL,
+    conversation_handle      uuid NOT NULL,
+    conversation_id          uuid NOT NULL,
+    message_sequence_number  bigint NOT NULL,
+    message_type_id          integer NOT NULL,
+    body                     bytea,
+    enqueued_at              timestamptz NOT NULL DEFAULT now(),
+    received_at              timestamptz,
+    failed_attempts          integer NOT NULL DEFAULT 0,
+    delivery_count           integer NOT NULL DEFAULT 0,
+    notice_after             bigint,
+    PRIMARY KEY (queue_id, queue_position)
+) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
+CREATE INDEX queue_messages_in_order ON broker.queue_messages
+    (conversation_group_id, conversation_handle, (coalesce(notice_after, message_sequence_number)),
+     (notice_after IS NOT NULL), queue_position);
+-- A receive starts from the oldest waiting messages of its queue: an index
+-- of exactly those keeps that a short walk, however many received messages a
+-- retention queue keeps and whatever the planner's statistics say of them.
+CREATE INDEX queue_messages_waiting ON broker.queue_messages (queue_id, queue_position)
+    WHERE received_at IS NULL;
+
+CREATE TABLE broker.dead_letters (
+    dead_letter_id           bigserial PRIMARY KEY,
+    queue_name               text NOT NULL,
+    queue_position           bigint NOT NULL,
+    conversation_handle      uuid NOT NULL,
+    conversation_id          uuid NOT NULL,
+    message_sequence_number  bigint NOT NULL,
+    message_type             text NOT NULL,
+    body                     bytea,
+    enqueued_at              timestamptz NOT NULL,
+    failed_attempts          integer NOT NULL,
+    reason                   text NOT NULL,
+    dead_lettered_at         timestamptz NOT NULL DEFAULT now()
+);
+
+-- What each numbered send carried, to recognise a retry.
+CREATE TABLE broker.numbered_sends (
+    conversation_handle  uuid NOT NULL REFERENCES broker.endpoints ON DELETE CASCADE,
+    sequence_number      bigint NOT NULL,
+    content_sha256       bytea NOT NULL,
+    PRIMARY KEY (conversation_handle, sequence_number)
+);
+
+CREATE TYPE broker.received_message AS (
+    queue_position           bigint,
+    conversation_group_id    uuid,
+    conversation_handle      uuid,
+    conversation_id          uuid,
+    message_sequence_number  bigint,
+    service_name             text,
+    contract_name            text,
+    message_type             text,
+    body                     bytea,
+    enqueued_at              timestamptz
+);
+
+CREATE VIEW broker.conversation_endpoints AS
+SELECT e.conversation_handle, e.conversation_id, e.conversation_group_id, e.is_initiator,
+       s.name AS service_name, q.name AS queue_name, e.far_service, e.far_is_local, e.far_broker_instance,
+       c.name AS contract_name, e.state, e.send_sequence, e.receive_sequence,
+       e.expires_at, e.timer_at, e.created_at, e.closed_at
+FROM broker.endpoints e
+JOIN broker.services s USING (service_id)
+JOIN broker.queues q ON q.queue_id = e.queue_id
+JOIN broker.contracts c USING (contract_id);
+
+CREATE VIEW broker.queue_status AS
+SELECT q.name AS queue_name,
+       CASE WHEN q.is_enabled THEN 'enabled' ELSE 'disabled' END AS status,
+       q.retention, q.poison_threshold,
+       coalesce(m.depth, 0) AS depth,
+       now() - m.oldest_enqueued_at AS oldest_message_age,
+       (SELECT count(DISTINCT l.pid) FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.classid = 1651663723 AND l.objid = q.queue_id
+          AND l.objsubid = 2 AND l.granted) AS readers,
+       (SELECT count(*) FROM broker.dead_letters d WHERE d.queue_name = q.name) AS dead_letters
+FROM broker.queues q
+LEFT JOIN LATERAL (
+    SELECT count(*) AS depth, min(enqueued_at) AS oldest_enqueued_at
+    FROM broker.queue_messages qm WHERE qm.queue_id = q.queue_id AND qm.received_at IS NULL
+) m ON true;
+
+------------------------------------------------------------------------------
+-- Positions
+------------------------------------------------------------------------------
+
+-- A commit-ordered position: the writer's transaction id in the high bits and
+-- a counter within the transaction in the low 20 bits.  Every row with a
+-- position below broker.committed_position_horizon() was written by a
+-- transaction that has already finished, so a bulk reader that reads up to the
+-- horizon never later sees a newly committed position below what it has read
+-- (invariant 6).  A transaction may enqueue at most 1,048,575 messages.
+CREATE FUNCTION broker._next_queue_position() RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    counter integer := coalesce(nullif(current_setting('broker.position_counter', true), ''), '0')::integer + 1;
+BEGIN
+    IF counter >= 1048576 THEN
+        PERFORM broker._raise('BR050', 'a transaction may enqueue at most 1048575 messages');
+    END IF;
+    PERFORM set_config('broker.position_counter', counter::text, true);
+    RETURN (pg_current_xact_id()::text::bigint << 20) | counter;
+END $$;
+
+-- n commit-ordered positions (see broker._next_queue_position): returns the
+-- first; the others follow it one by one.
+CREATE FUNCTION broker._next_queue_positions(n integer) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    first integer := coalesce(nullif(current_setting('broker.position_counter', true), ''), '0')::integer + 1;
+BEGIN
+    IF first + n - 1 >= 1048576 THEN
+        PERFORM broker._raise('BR050', 'a transaction may enqueue at most 1048575 messages');
+    END IF;
+    PERFORM set_config('broker.position_counter', (first + n - 1)::text, true);
+    RETURN (pg_current_xact_id()::text::bigint << 20) | first;
+END $$;
+
+CREATE FUNCTION broker.committed_position_horizon() RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint << 20
+$$;
+COMMENT ON FUNCTION broker.committed_position_horizon() IS
+    'Every destination-queue row below this position was written by a finished transaction; bulk readers read below it.';
+
+------------------------------------------------------------------------------
+-- Delivering and transmitting
+------------------------------------------------------------------------------
+
+-- Puts a message in the receiver's queue, with a notification on channel
+-- broker_queue with the queue's id, which wakes REST readers that wait for it
+-- (PostgreSQL sends one per queue per transaction, however many messages it
+-- enqueued).  A notice (sequence_number 0) records the last number received
+-- from the far side, after which it is received.
+CREATE OR REPLACE FUNCTION broker._enqueue(receiver broker.endpoints, sequence_number bigint, message_type_id integer,
+                                           body bytea)
+RETURNS void
+LANGUAGE sql AS $$
+    INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
+                                       conversation_id, message_sequence_number, message_type_id, body, notice_after)
+    VALUES (receiver.queue_id, broker._next_queue_position(), receiver.conversation_group_id,
+            receiver.conversation_handle, receiver.conversation_id, sequence_number, message_type_id, body,
+            CASE WHEN sequence_number = 0 THEN receiver.receive_sequence END);
+    SELECT pg_notify('broker_queue', receiver.queue_id::text);
+$$;
+
+-- Locks every local endpoint of a conversation, the initiator's first, and
+-- returns the one for the handle.  All writers lock in this order, so two
+-- transactions on the two sides of a local conversation cannot deadlock.
+CREATE FUNCTION broker._lock_endpoint(handle uuid) RETURNS broker.endpoints
+LANGUAGE plpgsql AS $$
+DECLARE
+    e broker.endpoints;
+    result broker.endpoints;
+BEGIN
+    FOR e IN
+        SELECT * FROM broker.endpoints
+        WHERE conversation_id = (SELECT conversation_id FROM broker.endpoints
+                                 WHERE conversation_handle = broker._require('conversation_handle', handle))
+        ORDER BY is_initiator DESC
+        FOR UPDATE
+    LOOP
+        IF e.conversation_handle = handle THEN
+            result := e;
+        END IF;
+    END LOOP;
+    IF result.conversation_handle IS NULL THEN
+        PERFORM broker._raise('BR005', format('unknown conversation %s', handle));
+    END IF;
+    RETURN result;
+END $$;
+
+-- The far endpoint of a local conversation, or NULL when the far side is remote.
+CREATE FUNCTION broker._far_endpoint(e broker.endpoints) RETURNS broker.endpoints
+LANGUAGE sql STABLE AS $$
+    SELECT * FROM broker.endpoints
+    WHERE conversation_id = e.conversation_id AND is_initiator <> e.is_initiator
+$$;
+
+-- Stores message number sequence_number from the far side at a locked local
+-- endpoint, applying what system messages do to its state.  The caller has
+-- checked that sequence_number comes next (invariant 3), except that a
+-- broker.error may skip numbers (see broker._transmit_error).
+CREATE OR REPLACE FUNCTION broker._deliver(receiver broker.endpoints, sequence_number bigint, mt broker.message_types,
+                                           body bytea)
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    new_state text := receiver.state;
+    visible boolean := receiver.state IN ('conversing', 'disconnected_inbound');
+BEGIN
+    IF sequence_number <> receiver.receive_sequence + 1
+       AND NOT (mt.name = 'broker.error' AND sequence_number > receiver.receive_sequence) THEN
+        PERFORM broker._raise('XX000', format('conversation %s expected message %s, got %s',
+            receiver.conversation_id, receiver.receive_sequence + 1, sequence_number));
+    END IF;
+    IF mt.name = 'broker.end_dialog' THEN
+        new_state := CASE receiver.state WHEN 'conversing' THEN 'disconnected_inbound'
+                                         WHEN 'disconnected_outbound' THEN 'closed'
+                                         ELSE receiver.state END;
+    ELSIF mt.name = 'broker.error' THEN
+        new_state := CASE WHEN receiver.state IN ('conversing', 'disconnected_inbound') THEN 'error'
+                          WHEN receiver.state = 'disconnected_outbound' THEN 'closed'
+                          ELSE receiver.state END;
+    END IF;
+    UPDATE broker.endpoints
+    SET receive_sequence = sequence_number,
+        state = new_state,
+        closed_at = CASE WHEN new_state = 'closed' THEN coalesce(closed_at, now()) END,
+        timer_at = CASE WHEN new_state = 'closed' THEN NULL ELSE timer_at END
+    WHERE conversation_handle = receiver.conversation_handle;
+    IF visible THEN
+        PERFORM broker._enqueue(receiver, sequence_number, mt.message_type_id, body);
+    END IF;
+END $$;
+
+-- Numbers a message from a locked endpoint and hands it to the far side:
+-- delivered in this transaction when the far side is local, otherwise put
+-- on the transmission queue.  Returns the message's sequence number.
+CREATE FUNCTION broker._transmit(sender broker.endpoints, mt broker.message_types, body bytea)
+RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    sequence_number bigint := sender.send_sequence + 1;
+    far broker.endpoints;
+BEGIN
+    UPDATE broker.endpoints SET send_sequence = sequence_number
+    WHERE conversation_handle = sender.conversation_handle;
+    IF sender.far_is_local THEN
+        far := broker._far_endpoint(sender);
+        PERFORM broker._deliver(far, sequence_number, mt, body);
+    ELSE
+        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
+                                               to_service, message_type_id, body)
+        VALUES (sender.conversation_handle, sequence_number, sender.conversation_id,
+                sender.far_service, mt.message_type_id, body);
+        PERFORM pg_notify('broker_transmission_queue', '');
+    END IF;
+    RETURN sequence_number;
+END $$;
+
+-- Removes what waits in an endpoint's own queue and marks it closed.
+CREATE FUNCTION broker._close_endpoint(e broker.endpoints) RETURNS void
+LANGUAGE sql AS $$
+    DELETE FROM broker.queue_messages
+    WHERE conversation_group_id = e.conversation_group_id AND conversation_handle = e.conversation_handle;
+    UPDATE broker.endpoints SET state = 'closed', closed_at = now(), timer_at = NULL
+    WHERE conversation_handle = e.conversation_handle;
+$$;
+
+CREATE FUNCTION broker._error_body(error_code integer, error_description text) RETURNS bytea
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT convert_to(jsonb_build_object('code', error_code, 'description', error_description)::text, 'UTF8')
+$$;
+
+-- Sends broker.error to the far side of a locked endpoint.  What this side
+-- had not transmitted yet is dropped first, as Service Broker does: the far
+-- side must not act on work that the error cancels.  The error keeps the next
+-- number, and the far side accepts a broker.error across the numbers dropped
+-- (it is the last message of its direction: nothing can come into them).
+-- Numbering the error into the dropped numbers instead would not do: a
+-- dropped message may already be stored at the far node, by a batch whose
+-- acknowledgement is still on its way, and the error would be discarded
+-- there as a duplicate.
+CREATE FUNCTION broker._transmit_error(sender broker.endpoints, error_code integer, error_description text)
+RETURNS bigint
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM broker.transmission_queue t WHERE t.conversation_handle = sender.conversation_handle;
+    RETURN broker._transmit(sender, broker._message_type('broker.error'),
+                            broker._error_body(error_code, error_description));
+END $$;
+
+-- Ends a locked endpoint's conversation because this node cannot go on with it:
+-- the local application sees a broker.error notice, the far side a broker.error
+-- (sent by broker._transmit_error).
+CREATE OR REPLACE FUNCTION broker._fail_conversation(e broker.endpoints, error_code integer, error_description text)
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    far_state text := (broker._far_endpoint(e)).state;
+BEGIN
+    IF NOT e.far_is_local OR far_state IN ('conversing', 'disconnected_outbound') THEN
+        PERFORM broker._transmit_error(e, error_code, error_description);
+    END IF;
+    UPDATE broker.endpoints SET state = 'error', timer_at = NULL WHERE conversation_handle = e.conversation_handle;
+    PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id,
+                            broker._error_body(error_code, error_description));
+END $$;
+
+------------------------------------------------------------------------------
+-- Conversation API
+------------------------------------------------------------------------------
+
+CREATE FUNCTION broker.begin_dialog(from_service text, to_service text, contract text,
+                                    lifetime interval DEFAULT NULL, related_conversation_group uuid DEFAULT NULL)
+RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    initiator_service broker.services := broker._service(from_service);
+    dialog_contract integer := broker._contract_id(contract);
+    target_service broker.services;
+    far_instance uuid;
+    conversation uuid := gen_random_uuid();
+    handle uuid := gen_random_uuid();
+    group_id uuid := coalesce(related_conversation_group, gen_random_uuid());
+    group_queue integer;
+    target_group uuid := gen_random_uuid();
+BEGIN
+    IF lifetime <= interval '0' THEN
+        PERFORM broker._raise('BR050', format('lifetime must be positive, got %s', lifetime));
+    END IF;
+    SELECT * INTO target_service FROM broker.services WHERE name = broker._require('to_service', to_service);
+    IF FOUND THEN
+        IF NOT EXISTS (SELECT 1 FROM broker.service_contracts sc
+                       WHERE sc.service_id = target_service.service_id AND sc.contract_id = dialog_contract) THEN
+            PERFORM broker._raise('BR011', format('service %L does not accept contract %L', to_service, contract));
+        END IF;
+    ELSE
+        SELECT r.broker_instance INTO far_instance FROM broker.routes r WHERE r.service_name = to_service;
+        IF NOT FOUND THEN
+            PERFORM broker._raise('BR001', format('unknown service %L: no local service and no route by that name', to_service),
+                'create the service, or a route to the node that has it');
+        END IF;
+    END IF;
+
+    SELECT queue_id INTO group_queue FROM broker.conversation_groups WHERE conversation_group_id = group_id;
+    IF NOT FOUND THEN
+        INSERT INTO broker.conversation_groups VALUES (group_id, initiator_service.queue_id);
+    ELSIF group_queue <> initiator_service.queue_id THEN
+        PERFORM broker._raise('BR050', format('conversation group %s belongs to another queue', group_id));
+    END IF;
+
+    INSERT INTO broker.endpoints (conversation_handle, conversation_id, is_initiator, conversation_group_id,
+                                  service_id, queue_id, far_service, far_is_local, far_broker_instance,
+                                  contract_id, expires_at)
+    VALUES (handle, conversation, true, group_id, initiator_service.service_id, initiator_service.queue_id,
+            to_service, target_service.service_id IS NOT NULL, far_instance, dialog_contract, now() + lifetime);
+
+    IF target_service.service_id IS NOT NULL THEN
+        INSERT INTO broker.conversation_groups VALUES (target_group, target_service.queue_id);
+        INSERT INTO broker.endpoints (conversation_handle, conversation_id, is_initiator, conversation_group_id,
+                                      service_id, queue_id, far_service, far_is_local, contract_id, expires_at)
+        VALUES (gen_random_uuid(), conversation, false, target_group, target_service.service_id,
+                target_service.queue_id, from_service, true, dialog_contract, now() + lifetime);
+    END IF;
+    RETURN handle;
+END $$;
+COMMENT ON FUNCTION broker.begin_dialog(text, text, text, interval, uuid) IS
+    'Begins a conversation from a local service to a local or routed service; returns the initiator''s handle.';
+
+-- A conversation with a remote far side (the common case) is locked, numbered
+-- and checked by one UPDATE and its message goes straight to the transmission
+-- queue; a local one, a type with validation, or anything that fails a check
+-- takes the general path with its errors.  The notification carries the first
+-- hex digit of the handle, so that only the relay lane for that share of the
+-- handles wakes (an empty one wakes all).  A conversation past its lifetime
+-- refuses to send (BR020), on either side, even before its expiry has been
+-- fired.
+CREATE OR REPLACE FUNCTION broker.send(conversation_handle uuid, message_type text, body bytea DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    sender broker.endpoints;
+    mt broker.message_types;
+    far_queue broker.queues;
+    numbered record;
+BEGIN
+    -- The common case in one statement: a conversing endpoint with a remote far
+    -- side, within its lifetime, sending a type without validation that its
+    -- contract allows it to.
+    UPDATE broker.endpoints e SET send_sequence = e.send_sequence + 1
+    FROM broker.message_types t, broker.contract_message_types cmt
+    WHERE e.conversation_handle = send.conversation_handle AND e.state = 'conversing' AND NOT e.far_is_local
+      AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp())
+      AND t.name = message_type AND t.validation = 'none' AND t.name NOT LIKE 'broker.%'
+      AND cmt.contract_id = e.contract_id AND cmt.message_type_id = t.message_type_id
+      AND cmt.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
+      AND coalesce(octet_length(body), 0) <= (SELECT max_message_bytes FROM broker.node)
+    RETURNING e.conversation_handle, e.send_sequence, e.conversation_id, e.far_service, t.message_type_id
+    INTO numbered;
+    IF FOUND THEN
+        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
+                                               to_service, message_type_id, body)
+        VALUES (numbered.conversation_handle, numbered.send_sequence, numbered.conversation_id, numbered.far_service,
+                numbered.message_type_id, body);
+        PERFORM pg_notify('broker_transmission_queue', left(numbered.conversation_handle::text, 1));
+        RETURN numbered.send_sequence;
+    END IF;
+
+    sender := broker._lock_endpoint(conversation_handle);
+    mt := broker._message_type(message_type);
+    IF sender.state <> 'conversing' THEN
+        PERFORM broker._raise('BR020', format('cannot send on conversation %s: it is %s',
+            conversation_handle, replace(sender.state, '_', ' ')));
+    END IF;
+    IF sender.expires_at <= clock_timestamp() THEN
+        PERFORM broker._raise('BR020', format('cannot send on conversation %s: its lifetime expired at %s',
+            conversation_handle, sender.expires_at), 'end the conversation');
+    END IF;
+    IF mt.name LIKE 'broker.%' THEN
+        PERFORM broker._raise('BR010', format('message type %L is sent by the broker itself', message_type),
+            'use broker.end_conversation to end a conversation or report an error');
+    END IF;
+    PERFORM broker._check_message(sender.contract_id, sender.is_initiator, mt, body);
+    IF sender.far_is_local THEN
+        SELECT q.* INTO far_queue FROM broker.queues q JOIN broker.endpoints e USING (queue_id)
+        WHERE e.conversation_id = sender.conversation_id AND e.is_initiator <> sender.is_initiator;
+        IF NOT far_queue.is_enabled THEN
+            PERFORM broker._raise('BR030', format('queue %L of service %L is disabled', far_queue.name, sender.far_service));
+        END IF;
+    END IF;
+    RETURN broker._transmit(sender, mt, body);
+END $$;
+COMMENT ON FUNCTION broker.send(uuid, text, bytea) IS
+    'Sends a message on a conversation; returns its sequence number.  Durable when the caller commits.';
+
+-- Sends many messages of one type at once, bodies[i] on conversation_handles[i]
+-- (bodies NULL: every body NULL).  A handle may appear more than once: its
+-- messages are numbered in the order given.  Returns the sequence numbers in
+-- that order.  All or nothing, with every check and error of broker.send.
+-- Conversations with a remote far side sending a type without validation (the
+-- common case) are locked in the order of their handles, numbered by one
+-- UPDATE and queued by one INSERT; anything else (a conversation past its
+-- lifetime, say, which broker.send refuses) goes through broker.send one
+-- message at a time.
+CREATE OR REPLACE FUNCTION broker.send_batch(conversation_handles uuid[], message_type text, bodies bytea[] DEFAULT NULL)
+RETURNS bigint[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    mt broker.message_types := broker._message_type(message_type);
+    given integer := cardinality(conversation_handles);
+    plain integer;
+    numbers bigint[];
+BEGIN
+    IF given IS NULL OR array_position(conversation_handles, NULL) IS NOT NULL THEN
+        PERFORM broker._raise('BR050', 'conversation_handles must be an array of conversation handles without NULL');
+    END IF;
+    IF cardinality(bodies) <> given THEN
+        PERFORM broker._raise('BR050', format('bodies has %s elements and conversation_handles %s: give one body per handle',
+            cardinality(bodies), given));
+    END IF;
+    SELECT count(*) INTO plain
+    FROM (SELECT e.contract_id, e.is_initiator FROM broker.endpoints e
+          WHERE e.conversation_handle = ANY (conversation_handles) AND e.state = 'conversing' AND NOT e.far_is_local
+            AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp())
+          ORDER BY e.conversation_handle
+          FOR NO KEY UPDATE) e
+    JOIN broker._plain_message_types p
+      ON p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator AND p.message_type_id = mt.message_type_id;
+    IF plain < (SELECT count(DISTINCT h) FROM unnest(conversation_handles) h)
+       OR EXISTS (SELECT 1 FROM unnest(bodies) b WHERE octet_length(b) > (SELECT max_message_bytes FROM broker.node)) THEN
+        numbers := '{}';
+        FOR i IN 1 .. given LOOP
+            numbers := numbers || broker.send(conversation_handles[i], message_type, bodies[i]);
+        END LOOP;
+        RETURN numbers;
+    END IF;
+    WITH numbered AS (
+        SELECT g.k, g.h, e.send_sequence + row_number() OVER (PARTITION BY g.h ORDER BY g.k) AS sequence_number,
+               e.conversation_id, e.far_service, g.b
+        FROM unnest(conversation_handles, bodies) WITH ORDINALITY AS g(h, b, k)
+        JOIN broker.endpoints e ON e.conversation_handle = g.h
+        WHERE e.conversation_handle = ANY (conversation_handles)
+    ), queued AS (
+        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
+                                               to_service, message_type_id, body)
+        SELECT n.h, n.sequence_number, n.conversation_id, n.far_service, mt.message_type_id, n.b FROM numbered n
+    )
+    SELECT array_agg(n.sequence_number ORDER BY n.k) INTO numbers FROM numbered n;
+    UPDATE broker.endpoints e SET send_sequence = e.send_sequence + c.messages
+    FROM (SELECT h, count(*) AS messages FROM unnest(conversation_handles) h GROUP BY h) c
+    WHERE e.conversation_handle = c.h AND e.conversation_handle = ANY (conversation_handles);
+    PERFORM pg_notify('broker_transmission_queue', digit)
+    FROM (SELECT DISTINCT left(h::text, 1) AS digit FROM unnest(conversation_handles) h) digits;
+    RETURN coalesce(numbers, '{}');
+END $$;
+COMMENT ON FUNCTION broker.send_batch(uuid[], text, bytea[]) IS
+    'Sends bodies[i] on conversation_handles[i], all of one message type; returns the sequence numbers in order.';
+
+CREATE FUNCTION broker._content_sha256(message_type text, body bytea) RETURNS bytea
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT sha256(convert_to(message_type, 'UTF8') || CASE WHEN body IS NULL THEN '\x00'::bytea
+                                                             ELSE '\x01'::bytea || body END)
+$$;
+
+-- Sends message number sequence_number, chosen by the client, so that a
+-- client can retry a send whose outcome it does not know: the same number
+-- with the same content again is a no-op that returns false; the next number
+-- sends and returns true.  Anything else raises BR021 with the number that
+-- comes next in its DETAIL.
+CREATE FUNCTION broker.send_numbered(conversation_handle uuid, sequence_number bigint, message_type text,
+                                     body bytea DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    sender broker.endpoints := broker._lock_endpoint(conversation_handle);
+    expected bigint := sender.send_sequence + 1;
+    digest bytea := broker._content_sha256(message_type, body);
+    stored bytea;
+BEGIN
+    IF broker._require('sequence_number', sequence_number) = expected THEN
+        PERFORM broker.send(conversation_handle, message_type, body);
+        INSERT INTO broker.numbered_sends VALUES (conversation_handle, sequence_number, digest);
+        RETURN true;
+    END IF;
+    SELECT content_sha256 INTO stored FROM broker.numbered_sends n
+    WHERE n.conversation_handle = send_numbered.conversation_handle AND n.sequence_number = send_numbered.sequence_number;
+    IF stored = digest THEN
+        RETURN false;
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = 'BR021', DETAIL = expected::text,
+        MESSAGE = CASE WHEN stored IS NULL
+            THEN format('message %s is out of turn on conversation %s: the next number is %s',
+                        sequence_number, conversation_handle, expected)
+            ELSE format('message %s of conversation %s was already sent with another content; the next number is %s',
+                        sequence_number, conversation_handle, expected) END;
+END $$;
+COMMENT ON FUNCTION broker.send_numbered(uuid, bigint, text, bytea) IS
+    'Idempotent send: the client numbers the message; a retry with the same number and content is a no-op.';
+
+------------------------------------------------------------------------------
+-- Receiving: in conversation order, and never wedged by a lease
+------------------------------------------------------------------------------
+
+-- Locks the given group, or the group holding the oldest waiting message that
+-- no other transaction holds, and returns it; NULL when there is none.  The
+-- head of the queue is walked by one statement that passes over the groups
+-- other readers hold (SKIP LOCKED) or lease, however many there are.  Leases
+-- are looked for message by message only when the queue has any.  A lease
+-- committed before the group was locked is seen by the check that follows, and
+-- then the walk looks for leases; none can be taken after the group is locked.
+-- A group whose expired lease is ended here may have lost its messages
+-- meanwhile: the expiry counts as a processing failure and can quarantine the
+-- conversation, moving its messages to the dead letters.  Such a group is
+-- passed over, and the walk goes on to the next.
+CREATE OR REPLACE FUNCTION broker._lock_group(q broker.queues, requested_group uuid) RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    candidate uuid;
+    leases_here boolean := EXISTS (SELECT 1 FROM broker.leases l WHERE l.queue_id = q.queue_id);
+BEGIN
+    IF requested_group IS NOT NULL THEN
+        PERFORM 1 FROM broker.conversation_groups
+        WHERE conversation_group_id = requested_group AND queue_id = q.queue_id
+        FOR NO KEY UPDATE SKIP LOCKED;
+        RETURN CASE WHEN FOUND AND broker._free_of_lease(q, requested_group) THEN requested_group END;
+    END IF;
+    LOOP
+        SELECT g.conversation_group_id INTO candidate
+        FROM broker.queue_messages m
+        JOIN broker.conversation_groups g ON g.conversation_group_id = m.conversation_group_id
+        WHERE m.queue_id = q.queue_id AND m.received_at IS NULL
+          AND (NOT leases_here OR NOT EXISTS (SELECT 1 FROM broker.leases l
+                                              WHERE l.conversation_group_id = m.conversation_group_id
+                                                AND l.expires_at > clock_timestamp()))
+        ORDER BY m.queue_position
+        LIMIT 1
+        FOR NO KEY UPDATE OF g SKIP LOCKED;
+        IF candidate IS NULL OR NOT EXISTS (SELECT 1 FROM broker.leases l WHERE l.conversation_group_id = candidate) THEN
+            RETURN candidate;
+        END IF;
+        -- Two statements: one snapshot for both would not see what the failure moved away.
+        IF broker._free_of_lease(q, candidate) THEN
+            IF EXISTS (SELECT 1 FROM broker.queue_messages m
+                       WHERE m.conversation_group_id = candidate AND m.queue_id = q.queue_id AND m.received_at IS NULL)
+            THEN
+                RETURN candidate;
+            END IF;
+        END IF;
+        leases_here := true;
+    END LOOP;
+END $$;
+
+-- Waits up to wait_ms for a group with messages and locks it.  Sleeps with a
+-- growing interval (5 ms to 100 ms) while nothing is there: notifications
+-- cannot reach a session inside a transaction.  A group found at the head of
+-- the queue has messages, so only a requested group is looked at again.
+CREATE OR REPLACE FUNCTION broker._wait_for_group(q broker.queues, requested_group uuid, wait_ms integer) RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    deadline timestamptz := clock_timestamp() + make_interval(secs => wait_ms / 1000.0);
+    pause double precision := 0.005;
+    locked_group uuid;
+BEGIN
+    IF wait_ms < 0 THEN
+        PERFORM broker._raise('BR050', format('wait_ms must not be negative, got %s', wait_ms));
+    END IF;
+    -- Marks this transaction as a reader of the queue (see broker.queue_status).
+    PERFORM pg_advisory_xact_lock_shared(1651663723, q.queue_id);
+    LOOP
+        PERFORM broker._fire_due_events(q.queue_id);
+        locked_group := broker._lock_group(q, requested_group);
+        IF locked_group IS NOT NULL AND (requested_group IS NULL OR EXISTS (
+                SELECT 1 FROM broker.queue_messages
+                WHERE conversation_group_id = locked_group AND queue_id = q.queue_id AND received_at IS NULL)) THEN
+            RETURN locked_group;
+        END IF;
+        EXIT WHEN clock_timestamp() >= deadline;
+        PERFORM pg_sleep(least(pause, extract(epoch FROM deadline - clock_timestamp())));
+        pause := least(pause * 2, 0.1);
+    END LOOP;
+    RETURN NULL;
+END $$;
+
+-- A group's messages are picked by the group alone (a group belongs to one
+-- queue), each conversation's in the order of broker.queue_messages_in_order
+-- (notices after the messages they follow); the walk stops at max_messages,
+-- and what is returned comes from the rows consumed (or kept, with retention)
+-- rather than from reading them again.
+CREATE OR REPLACE FUNCTION broker.receive(queue text, max_messages integer DEFAULT 1, conversation_group uuid DEFAULT NULL,
+                                          wait_ms integer DEFAULT 0)
+RETURNS SETOF broker.received_message
+LANGUAGE plpgsql AS $$
+DECLARE
+    q broker.queues := broker._enabled_queue(queue);
+    locked_group uuid;
+BEGIN
+    IF max_messages IS NULL OR max_messages < 1 THEN
+        PERFORM broker._raise('BR050', format('max_messages must be at least 1, got %s', max_messages));
+    END IF;
+    locked_group := broker._wait_for_group(q, conversation_group, broker._require('wait_ms', wait_ms));
+    IF locked_group IS NULL THEN
+        RETURN;
+    END IF;
+    -- Without retention every row of the queue waits (received rows are deleted):
+    -- said so, the walk takes the group index alone, in its order.
+    RETURN QUERY
+    WITH picked AS (
+        SELECT m.queue_position FROM broker.queue_messages m
+        WHERE m.conversation_group_id = locked_group AND (NOT q.retention OR m.received_at IS NULL)
+        ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
+                 m.notice_after IS NOT NULL, m.queue_position
+        LIMIT max_messages
+    ), consumed AS (
+        DELETE FROM broker.queue_messages m USING picked
+        WHERE NOT q.retention AND m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+        RETURNING m.*
+    ), retained AS (
+        UPDATE broker.queue_messages m SET received_at = now() FROM picked
+        WHERE q.retention AND m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+        RETURNING m.*
+    ), names AS (  -- of the group's endpoints, once each
+        SELECT e.conversation_handle, s.name AS service_name, c.name AS contract_name
+        FROM broker.endpoints e
+        JOIN broker.services s ON s.service_id = e.service_id
+        JOIN broker.contracts c ON c.contract_id = e.contract_id
+        WHERE e.conversation_group_id = locked_group
+    )
+    SELECT m.queue_position, m.conversation_group_id, m.conversation_handle, m.conversation_id,
+           m.message_sequence_number, n.service_name, n.contract_name, mt.name, m.body, m.enqueued_at
+    FROM (SELECT * FROM consumed UNION ALL SELECT * FROM retained) m
+    JOIN names n ON n.conversation_handle = m.conversation_handle
+    JOIN broker.message_types mt ON mt.message_type_id = m.message_type_id
+    ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
+             m.notice_after IS NOT NULL, m.queue_position;
+END $$;
+COMMENT ON FUNCTION broker.receive(text, integer, uuid, integer) IS
+    'Locks one conversation group of a queue and returns up to max_messages of its messages in order; they are consumed when the caller commits.';
+
+CREATE FUNCTION broker.get_conversation_group(queue text, wait_ms integer DEFAULT 0) RETURNS uuid
+LANGUAGE sql AS $$
+    SELECT broker._wait_for_group(broker._enabled_queue(queue), NULL, broker._require('wait_ms', wait_ms))
+$$;
+COMMENT ON FUNCTION broker.get_conversation_group(text, integer) IS
+    'Locks the next conversation group with messages until the transaction ends and returns it (NULL if none).';
+
+-- Records that processing the head message of a group failed (its transaction
+-- rolled back, a lease was abandoned or expired).  At the queue's poison
+-- threshold the message's conversation is quarantined: its waiting messages
+-- move to broker.dead_letters and it ends with broker.error on both sides.
+-- Returns true when it quarantined.  The head message is the first in the
+-- order of broker.queue_messages_in_order, and its conversation is locked
+-- before the message is: every writer locks a conversation's endpoints before
+-- its messages (broker.end_conversation, say, which deletes them), so taking
+-- them the other way round could deadlock with it.
+CREATE OR REPLACE FUNCTION broker.report_processing_failure(queue text, conversation_group uuid, reason text)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    q broker.queues := broker._queue(queue);
+    head broker.queue_messages;
+    e broker.endpoints;
+BEGIN
+    SELECT m.* INTO head FROM broker.queue_messages m
+    WHERE m.conversation_group_id = broker._require('conversation_group', conversation_group)
+      AND m.queue_id = q.queue_id AND m.received_at IS NULL
+    ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
+             m.notice_after IS NOT NULL, m.queue_position
+    LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    e := broker._lock_endpoint(head.conversation_handle);
+    UPDATE broker.queue_messages m SET failed_attempts = m.failed_attempts + 1
+    WHERE m.queue_id = head.queue_id AND m.queue_position = head.queue_position AND m.received_at IS NULL
+    RETURNING * INTO head;
+    IF NOT FOUND OR head.failed_attempts < q.poison_threshold THEN  -- consumed or ended meanwhile, or not yet poison
+        RETURN false;
+    END IF;
+    WITH moved AS (
+        DELETE FROM broker.queue_messages m
+        WHERE m.conversation_group_id = e.conversation_group_id AND m.conversation_handle = e.conversation_handle
+        RETURNING m.*
+    )
+    INSERT INTO broker.dead_letters (queue_name, queue_position, conversation_handle, conversation_id,
+                                     message_sequence_number, message_type, body, enqueued_at, failed_attempts, reason)
+    SELECT q.name, moved.queue_position, moved.conversation_handle, moved.conversation_id,
+           moved.message_sequence_number, mt.name, moved.body, moved.enqueued_at, moved.failed_attempts,
+           CASE WHEN moved.queue_position = head.queue_position
+                THEN format('processing failed %s times; last failure: %s', moved.failed_attempts, coalesce(reason, 'not given'))
+                ELSE format('conversation quarantined after message %s failed', head.message_sequence_number) END
+    FROM moved JOIN broker.message_types mt USING (message_type_id);
+    IF e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
+        PERFORM broker._fail_conversation(e, -2, format(
+            'message %s could not be processed after %s attempts and was moved to broker.dead_letters',
+            head.message_sequence_number, head.failed_attempts));
+    END IF;
+    RETURN true;
+END $$;
+
+------------------------------------------------------------------------------
+-- Ending, timers and lifetimes
+------------------------------------------------------------------------------
+
+-- An error goes to the far side by broker._transmit_error.  Error codes of 0
+-- and below are refused: they are the broker's own (-1 an expired lifetime, -2
+-- a quarantine, -3 a refusal).
+CREATE OR REPLACE FUNCTION broker.end_conversation(conversation_handle uuid, error_code integer DEFAULT NULL,
+                                                   error_description text DEFAULT NULL, cleanup boolean DEFAULT false)
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    e broker.endpoints := broker._lock_endpoint(conversation_handle);
+BEGIN
+    IF cleanup THEN
+        DELETE FROM broker.transmission_queue t WHERE t.conversation_handle = e.conversation_handle;
+        PERFORM broker._close_endpoint(e);
+        RETURN;
+    END IF;
+    IF (error_code IS NULL) <> (error_description IS NULL) THEN
+        PERFORM broker._raise('BR050', 'error_code and error_description go together: give both or neither');
+    END IF;
+    IF error_code <= 0 THEN
+        PERFORM broker._raise('BR050', format('error_code must be positive, got %s', error_code),
+            'codes of 0 and below belong to the broker');
+    END IF;
+    IF length(error_description) > 4000 THEN
+        PERFORM broker._raise('BR050', 'error_description must be at most 4000 characters');
+    END IF;
+    IF e.state IN ('closed', 'disconnected_outbound') THEN
+        PERFORM broker._raise('BR020', format('conversation %s is already ended (%s)',
+            conversation_handle, replace(e.state, '_', ' ')));
+    END IF;
+    IF error_code IS NOT NULL AND e.state IN ('conversing', 'disconnected_inbound') THEN
+        PERFORM broker._transmit_error(e, error_code, error_description);
+        PERFORM broker._close_endpoint(e);
+    ELSIF e.state = 'conversing' THEN
+        PERFORM broker._transmit(e, broker._message_type('broker.end_dialog'), NULL);
+        DELETE FROM broker.queue_messages m
+        WHERE m.conversation_group_id = e.conversation_group_id AND m.conversation_handle = e.conversation_handle;
+        UPDATE broker.endpoints SET state = 'disconnected_outbound', timer_at = NULL
+        WHERE endpoints.conversation_handle = e.conversation_handle;
+    ELSIF e.state = 'disconnected_inbound' THEN
+        PERFORM broker._transmit(e, broker._message_type('broker.end_dialog'), NULL);
+        PERFORM broker._close_endpoint(e);
+    ELSE  -- error: the far side is gone already
+        PERFORM broker._close_endpoint(e);
+    END IF;
+END $$;
+COMMENT ON FUNCTION broker.end_conversation(uuid, integer, text, boolean) IS
+    'Ends a conversation: broker.end_dialog to the far side, or broker.error with an error code, or nothing with cleanup.';
+
+CREATE FUNCTION broker.begin_conversation_timer(conversation_handle uuid, timeout interval) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    e broker.endpoints := broker._lock_endpoint(conversation_handle);
+BEGIN
+    IF timeout IS NULL OR timeout < interval '0' THEN
+        PERFORM broker._raise('BR050', format('timeout must be zero or positive, got %s', quote_nullable(timeout)));
+    END IF;
+    IF e.state = 'closed' THEN
+        PERFORM broker._raise('BR020', format('conversation %s is closed', conversation_handle));
+    END IF;
+    UPDATE broker.endpoints SET timer_at = now() + timeout WHERE endpoints.conversation_handle = e.conversation_handle;
+END $$;
+COMMENT ON FUNCTION broker.begin_conversation_timer(uuid, interval) IS
+    'After timeout, a broker.dialog_timer message arrives on this side of the conversation.';
+
+-- Fires due conversation timers and lifetimes, of one queue or
+-- (target_queue_id NULL) every queue, at most max_events endpoints a call;
+-- returns how many it fired (a local conversation's lifetime ends both sides
+-- at once).  An endpoint whose conversation another transaction holds is left
+-- for later.  A running node calls broker.fire_due_events every quarter second,
+-- so that timers and lifetimes take effect when they fall due, not when
+-- somebody next receives.
+CREATE FUNCTION broker._fire_due_events(target_queue_id integer, max_events integer DEFAULT 1000) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    due_by timestamptz := clock_timestamp();  -- a waiting receive outlives its transaction's now()
+    due record;
+    e broker.endpoints;
+    fired integer := 0;
+BEGIN
+    FOR due IN
+        SELECT conversation_handle, conversation_id FROM broker.endpoints
+        WHERE (target_queue_id IS NULL OR queue_id = target_queue_id)
+          AND (timer_at <= due_by
+               OR (expires_at <= due_by AND state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound')))
+        LIMIT max_events
+    LOOP
+        -- Lock the initiator without waiting, then the rest: the usual order.
+        PERFORM 1 FROM broker.endpoints
+        WHERE conversation_handle = (SELECT conversation_handle FROM broker.endpoints
+                                     WHERE conversation_id = due.conversation_id
+                                     ORDER BY is_initiator DESC LIMIT 1)
+        FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        e := broker._lock_endpoint(due.conversation_handle);
+        IF e.timer_at <= due_by THEN
+            UPDATE broker.endpoints SET timer_at = NULL WHERE conversation_handle = e.conversation_handle;
+            PERFORM broker._enqueue(e, 0, (broker._message_type('broker.dialog_timer')).message_type_id, NULL);
+            fired := fired + 1;
+        END IF;
+        IF e.expires_at <= due_by AND e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
+            PERFORM broker._fail_conversation(e, -1, 'the conversation''s lifetime expired before it was ended');
+            fired := fired + 1;
+        END IF;
+    END LOOP;
+    RETURN fired;
+END $$;
+
+CREATE FUNCTION broker.fire_due_events() RETURNS integer
+LANGUAGE sql AS $$
+    SELECT broker._fire_due_events(NULL)
+$$;
+COMMENT ON FUNCTION broker.fire_due_events() IS
+    'Fires the conversation timers and lifetimes that are due, on every queue; returns how many.  A running node calls it every quarter second.';

@@ -1,0 +1,202 @@
+-- For the REST API: hashed API keys and peek-lock leases on conversation
+-- groups.  (Its idempotent numbered sends are broker.send_numbered, and its
+-- readers wake on the broker_queue notification of broker._enqueue.)
+
+------------------------------------------------------------------------------
+-- API keys
+------------------------------------------------------------------------------
+
+-- A key is "bk_<key_id>_<secret>"; only the secret's SHA-256 is kept.  The
+-- secret is 256 random bits, so a fast hash is enough: there is nothing to
+-- guess by brute force.
+CREATE TABLE broker.api_keys (
+    key_id         text PRIMARY KEY,
+    name           text NOT NULL,
+    secret_sha256  bytea NOT NULL,
+    scopes         text[] NOT NULL CHECK (cardinality(scopes) > 0),
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    revoked_at     timestamptz
+);
+
+------------------------------------------------------------------------------
+-- Leases (peek-lock)
+------------------------------------------------------------------------------
+
+-- A REST reader holds a conversation group by a lease instead of an open
+-- transaction: the messages it was handed stay in the queue until it completes
+-- the lease.  While the lease is live no other reader, REST or SQL, gets the
+-- group (invariant 5); once it has expired the next reader ends it and the
+-- expiry counts toward the poison threshold like an abandon.
+CREATE TABLE broker.leases (
+    lock_token             uuid PRIMARY KEY,
+    queue_id               integer NOT NULL REFERENCES broker.queues,
+    conversation_group_id  uuid NOT NULL UNIQUE REFERENCES broker.conversation_groups,
+    queue_positions        bigint[] NOT NULL,
+    expires_at             timestamptz NOT NULL,
+    created_at             timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TYPE broker.locked_message AS (
+    lock_token               uuid,
+    lock_expires_at          timestamptz,
+    delivery_count           integer,
+    queue_position           bigint,
+    conversation_group_id    uuid,
+    conversation_handle      uuid,
+    conversation_id          uuid,
+    message_sequence_number  bigint,
+    service_name             text,
+    contract_name            text,
+    message_type             text,
+    body                     bytea,
+    enqueued_at              timestamptz
+);
+
+CREATE FUNCTION broker._leased(group_id uuid) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM broker.leases
+                   WHERE conversation_group_id = group_id AND expires_at > clock_timestamp())
+$$;
+
+-- With the group's row locked: true when no live lease holds the group.  An
+-- expired lease is ended here and counted as a processing failure.
+CREATE FUNCTION broker._free_of_lease(q broker.queues, group_id uuid) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM broker.leases WHERE conversation_group_id = group_id AND expires_at <= clock_timestamp();
+    IF FOUND THEN
+        PERFORM broker.report_processing_failure(q.name, group_id, 'the lock expired before it was completed');
+        RETURN true;
+    END IF;
+    RETURN NOT EXISTS (SELECT 1 FROM broker.leases WHERE conversation_group_id = group_id);
+END $$;
+
+CREATE FUNCTION broker._lock_lost(lock_token uuid) RETURNS void
+LANGUAGE sql AS $$
+    SELECT broker._raise('BR060', format('lock %s is lost: it expired, was completed or abandoned, or never existed',
+        lock_token), 'receive again: messages not completed come back with a higher delivery_count')
+$$;
+
+-- Locks the next conversation group of a queue by a lease of lock_duration
+-- and returns its messages in order, each with the lease's token: up to
+-- max_messages and, when max_bytes is given, up to that many bytes of bodies,
+-- always at least one message, so that one larger than the budget still goes,
+-- alone.  Each conversation's messages come in the order of
+-- broker.queue_messages_in_order, and there is no lease when nothing was left
+-- to hand out (the conversation was ended after its group was locked).
+-- Nothing is consumed until broker.complete_lock.
+CREATE FUNCTION broker.receive_with_lock(queue text, max_messages integer, lock_duration interval,
+                                         max_bytes bigint DEFAULT NULL)
+RETURNS SETOF broker.locked_message
+LANGUAGE plpgsql AS $$
+DECLARE
+    q broker.queues := broker._enabled_queue(queue);
+    locked_group uuid;
+    token uuid := gen_random_uuid();
+    expires timestamptz;
+BEGIN
+    IF max_messages IS NULL OR max_messages < 1 THEN
+        PERFORM broker._raise('BR050', format('max_messages must be at least 1, got %s', max_messages));
+    END IF;
+    IF lock_duration IS NULL OR lock_duration <= interval '0' OR lock_duration > interval '1 day' THEN
+        PERFORM broker._raise('BR050', format('lock_duration must be positive and at most a day, got %s',
+            quote_nullable(lock_duration)));
+    END IF;
+    IF max_bytes < 1 THEN
+        PERFORM broker._raise('BR050', format('max_bytes must be at least 1, got %s', max_bytes));
+    END IF;
+    locked_group := broker._wait_for_group(q, NULL, 0);
+    IF locked_group IS NULL THEN
+        RETURN;
+    END IF;
+    expires := clock_timestamp() + lock_duration;
+    WITH next_messages AS (
+        SELECT m.queue_position, coalesce(octet_length(m.body), 0) AS body_bytes,
+               row_number() OVER (ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
+                                           m.notice_after IS NOT NULL, m.queue_position) AS turn
+        FROM broker.queue_messages m
+        WHERE m.conversation_group_id = locked_group AND m.queue_id = q.queue_id AND m.received_at IS NULL
+        ORDER BY turn
+        LIMIT max_messages
+    ), picked AS (
+        SELECT queue_position FROM (
+            SELECT queue_position, turn, sum(body_bytes) OVER (ORDER BY turn) AS bytes_through
+            FROM next_messages) running
+        WHERE turn = 1 OR max_bytes IS NULL OR bytes_through <= max_bytes
+    ), handed_out AS (
+        UPDATE broker.queue_messages m SET delivery_count = m.delivery_count + 1
+        FROM picked WHERE m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+        RETURNING m.queue_position
+    )
+    INSERT INTO broker.leases (lock_token, queue_id, conversation_group_id, queue_positions, expires_at)
+    SELECT token, q.queue_id, locked_group, array_agg(queue_position), expires FROM handed_out
+    HAVING count(*) > 0;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+
+    RETURN QUERY
+    SELECT token, expires, m.delivery_count, m.queue_position, m.conversation_group_id, m.conversation_handle,
+           m.conversation_id, m.message_sequence_number, s.name, c.name, mt.name, m.body, m.enqueued_at
+    FROM broker.leases l
+    JOIN broker.queue_messages m ON m.queue_id = l.queue_id AND m.queue_position = ANY (l.queue_positions)
+    JOIN broker.endpoints e ON e.conversation_handle = m.conversation_handle
+    JOIN broker.services s ON s.service_id = e.service_id
+    JOIN broker.contracts c ON c.contract_id = e.contract_id
+    JOIN broker.message_types mt ON mt.message_type_id = m.message_type_id
+    WHERE l.lock_token = token
+    ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
+             m.notice_after IS NOT NULL, m.queue_position;
+END $$;
+COMMENT ON FUNCTION broker.receive_with_lock(text, integer, interval, bigint) IS
+    'Peek-lock: leases one conversation group and returns its next messages, at most max_messages and (but for '
+    'the first) max_bytes of bodies; complete_lock consumes them.';
+
+-- Consumes the messages handed out under a live lease and ends it.  Returns
+-- how many were consumed (fewer than were handed out when the conversation
+-- was ended or quarantined meanwhile).
+CREATE FUNCTION broker.complete_lock(lock_token uuid) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    lease broker.leases;
+    keep boolean;
+    consumed integer;
+BEGIN
+    SELECT * INTO lease FROM broker.leases l WHERE l.lock_token = broker._require('lock_token', complete_lock.lock_token)
+    FOR UPDATE;
+    IF NOT FOUND OR lease.expires_at <= clock_timestamp() THEN
+        PERFORM broker._lock_lost(lock_token);
+    END IF;
+    SELECT retention INTO keep FROM broker.queues WHERE queue_id = lease.queue_id;
+    IF keep THEN
+        UPDATE broker.queue_messages SET received_at = now()
+        WHERE queue_id = lease.queue_id AND queue_position = ANY (lease.queue_positions) AND received_at IS NULL;
+    ELSE
+        DELETE FROM broker.queue_messages
+        WHERE queue_id = lease.queue_id AND queue_position = ANY (lease.queue_positions);
+    END IF;
+    GET DIAGNOSTICS consumed = ROW_COUNT;
+    DELETE FROM broker.leases l WHERE l.lock_token = lease.lock_token;
+    RETURN consumed;
+END $$;
+COMMENT ON FUNCTION broker.complete_lock(uuid) IS
+    'Consumes the messages of a live lease; BR060 when the lease expired or is unknown.';
+
+-- Returns a lease's messages to the queue at once.  Counts as a processing
+-- failure; returns true when that quarantined the conversation.
+CREATE FUNCTION broker.abandon_lock(lock_token uuid) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    lease broker.leases;
+BEGIN
+    DELETE FROM broker.leases l WHERE l.lock_token = broker._require('lock_token', abandon_lock.lock_token)
+    RETURNING * INTO lease;
+    IF NOT FOUND THEN
+        PERFORM broker._lock_lost(lock_token);
+    END IF;
+    PERFORM pg_notify('broker_queue', lease.queue_id::text);
+    RETURN broker.report_processing_failure((SELECT name FROM broker.queues WHERE queue_id = lease.queue_id),
+                                            lease.conversation_group_id, 'the lock was abandoned');
+END $$;
+COMMENT ON FUNCTION broker.abandon_lock(uuid) IS
+    'Returns the messages of a lease to the queue now; counts toward the poison threshold.';
