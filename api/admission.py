@@ -2,7 +2,8 @@
 
 A /v1 request and /metrics need a valid API key; a /transport request needs the headers of a
 peer this node routes to, with a fresh timestamp.  Anything else is answered 401 at once, with
-Connection: close, so that an outsider spends the node no more than its headers.  The key is
+Connection: close, so that an outsider spends the node no more than its headers.  A peer's batch
+in another wire version than this node's is answered 415 the same way (broker.wire).  The key is
 handed on to the route (api.auth); a peer's signature over its body is checked once the body has
 come (api.routes.transport).
 """
@@ -15,7 +16,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.requests import Request
 
 from api.problems import CLOSE, database_unavailable, problem
-from broker import api_keys, signing
+from broker import api_keys, signing, wire
 
 KEY_SCHEME = "bearer "
 PEER_IS_ROUTED = text("SELECT EXISTS (SELECT FROM broker.routes WHERE broker_instance = :instance)")
@@ -34,6 +35,14 @@ def unauthorized():
 def unknown_peer(detail: str):
     return problem(401, "unknown-peer", "The request does not come from a peer of this node", detail,
                    headers=CLOSE)
+
+
+def unsupported_wire_version(content_type: str | None):
+    """415 naming both versions, with this node's as an extension member, so that the sender can log it."""
+    return problem(415, "unsupported-wire-version", "The batch is in a wire version this node does not take",
+                   f"the batch is sent as {wire.sent_as(content_type)}; this node takes wire version "
+                   f"{wire.WIRE_VERSION} ({wire.BATCH_MEDIA_TYPE}): upgrade one of the two nodes so that both "
+                   "speak the same version", headers=CLOSE, wire_version=wire.WIRE_VERSION)
 
 
 def peer_instance(request: Request) -> str | None:
@@ -84,6 +93,9 @@ class Admission:
                                headers=CLOSE)
             if not await anyio.to_thread.run_sync(self._routed, instance):
                 return unknown_peer(f"this node has no route to broker instance {instance}")
+            content_type = request.headers.get("content-type")
+            if path == signing.BATCHES_PATH and not wire.is_ours(content_type):
+                return unsupported_wire_version(content_type)
         return None
 
     def _verify(self, presented: str):

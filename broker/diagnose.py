@@ -2,8 +2,9 @@
 
 In the spirit of Service Broker's ssbdiagnose: the schema, the queues, a route for every
 remote service in use, and for every peer: that it answers, is the instance the route names,
-accepts our signature and signs its answer, keeps a clock close to ours, offers the service
-with an enabled queue, defines the contracts as we do, and has a route back to us.
+speaks our wire version, accepts our signature and signs its answer, keeps a clock close to
+ours, offers the service with an enabled queue, defines the contracts as we do, and has a route
+back to us.
 """
 import json
 import time
@@ -14,7 +15,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import Connection, text
 
-from broker import signing
+from broker import signing, wire
 
 SCHEMA_VERSION = text("SELECT version_num FROM public.broker_alembic_version")
 OUR_INSTANCE = text("SELECT broker_instance FROM broker.node")
@@ -43,8 +44,11 @@ FAILING_DESTINATIONS = text(
 
 # A destination that has refused this many attempts in a row keeps refusing: an error, not a passing failure.
 REFUSING_ATTEMPTS = 3
+WIRE_ADVICE = ("upgrade one of the two nodes so that both speak the same wire version (each names its own as "
+               "wire_version in /healthz)")
 # What to do about a destination that does not take our batches, by the words of its last failure.
 REFUSAL_ADVICE = [
+    ("another wire version", WIRE_ADVICE),
     ("HTTP 413", "on that node raise BROKER_MAX_BATCH_BYTES above the largest message (its max_message_bytes "
                  "and a few KB), or send smaller messages"),
     ("HTTP 401", "that node refuses our signature: give the routes on both nodes the same secret and the right "
@@ -115,8 +119,10 @@ def _local_findings(connection: Connection, schema_head: str) -> list[Finding]:
             "'<that node's broker_instance>', '<the secret you share with it>')"))
     for destination in connection.execute(FAILING_DESTINATIONS):
         findings.append(Finding(
-            # a message refused as too large on its own never goes until a limit changes
-            "error" if destination.attempts >= REFUSING_ATTEMPTS or "HTTP 413" in destination.status else "warning",
+            # a message refused as too large on its own never goes until a limit changes, nor a batch in another
+            # wire version until a node is upgraded
+            "error" if destination.attempts >= REFUSING_ATTEMPTS or "HTTP 413" in destination.status
+            or "HTTP 415" in destination.status else "warning",
             f"transmission to {destination.address}",
             f"{destination.messages} messages waiting, up to {destination.attempts} attempts: {destination.status}",
             refusal_advice(destination.status)))
@@ -126,9 +132,10 @@ def _local_findings(connection: Connection, schema_head: str) -> list[Finding]:
 def _describe(client: httpx.Client, address: str, instance: str, destination: str, secret: str,
               services: list[str], contracts: list[str]) -> httpx.Response:
     body = json.dumps({"services": services, "contracts": contracts}).encode()
-    purpose = signing.request_purpose("POST", signing.DESCRIBE_PATH, destination)
+    purpose = signing.request_purpose("POST", signing.DESCRIBE_PATH, wire.JSON_MEDIA_TYPE, destination)
     return client.post(f"{address}{signing.DESCRIBE_PATH}", content=body,
-                       headers=signing.signed_headers(secret, instance, purpose, body))
+                       headers={"Content-Type": wire.JSON_MEDIA_TYPE,
+                                **signing.signed_headers(secret, instance, purpose, body)})
 
 
 def _peer_findings(client: httpx.Client, address: str, route_instance: str, secret: str, services: list[str],
@@ -147,6 +154,12 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
     if their_instance != route_instance:
         return [Finding("error", check, f"is instance {their_instance}, the routes to it say {route_instance}",
                         f"recreate the routes of {', '.join(services)} with broker_instance {their_instance}")]
+    their_version = _member(health, "wire_version")
+    if their_version != wire.WIRE_VERSION:
+        speaks = (f"speaks wire version {str(their_version)[:40]}" if their_version is not None else
+                  "names no wire version in /healthz (it is older than wire version 2)")
+        return [Finding("error", check, f"{speaks}, this node wire version {wire.WIRE_VERSION}: each refuses the "
+                        "other's batches", WIRE_ADVICE)]
 
     answer = _describe(client, address, our_instance, route_instance, secret, services, sorted(our_contracts))
     if answer.status_code == 401:

@@ -13,7 +13,9 @@ for another to take over.
 
 A batch travels as PostgreSQL's binary COPY format of broker.transport_message
 rows: the sending database writes it and the receiving one reads it, with no
-per-message work in Python on either side.
+per-message work in Python on either side.  It is sent as the media type of this
+node's wire version (broker.wire); a destination of another version refuses it
+(415), and the messages wait, retried with backoff, until one node is upgraded.
 """
 import io
 import logging
@@ -29,14 +31,13 @@ import psycopg2
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DataError, DBAPIError
 
-from broker import signing, timers
+from broker import signing, timers, wire
 from broker.sessions import with_temporary_table
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILURES, RELAY_SENT
 
 log = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "broker_transmission_queue"
-BATCH_MEDIA_TYPE = "application/vnd.pg-broker.batch"
 LANES = 2
 IDLE_WAKE_S = 1.0
 # Routes change seldom: a lane looks at them again after this long, not in every cycle.
@@ -114,6 +115,15 @@ def _limit_bytes(response: httpx.Response) -> int | None:
     except (ValueError, AttributeError):
         return None
     return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def _wire_version(response: httpx.Response) -> int | None:
+    """The wire version a 415 problem says the destination takes (its wire_version member), if it names one."""
+    try:
+        version = response.json().get("wire_version")
+    except (ValueError, AttributeError):
+        return None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 class Relay:
@@ -299,16 +309,22 @@ class Lane:
     def _post(self, destination, body: bytes) -> str:
         """Sends a batch; returns the destination's answer to it, as JSON text, once it is signed by the
         destination as the answer to this very request."""
-        purpose = signing.request_purpose("POST", signing.BATCHES_PATH, str(destination.broker_instance))
+        purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.BATCH_MEDIA_TYPE,
+                                          str(destination.broker_instance))
         signed = signing.signed_headers(destination.peer_secret, self.instance, purpose, body)
         try:
             response = self.client.post(f"{destination.address}{signing.BATCHES_PATH}", content=body,
-                                        headers={"Content-Type": BATCH_MEDIA_TYPE, **signed})
+                                        headers={"Content-Type": wire.BATCH_MEDIA_TYPE, **signed})
         except httpx.HTTPError as error:
             raise TransportFailure(f"cannot reach {destination.address}: {type(error).__name__}: {error}") from error
         if response.status_code == 413:
             raise BatchTooLarge(f"{destination.address} answered HTTP 413: a batch of {len(body)} bytes is over its limit",
                                 _limit_bytes(response))
+        if response.status_code == 415:
+            theirs = _wire_version(response)
+            takes = f"wire version {theirs}" if theirs else "a wire version it does not name"
+            raise TransportFailure(f"{destination.address} speaks another wire version (HTTP 415): it takes {takes}, "
+                                   f"this node sends wire version {wire.WIRE_VERSION}")
         if response.status_code != 200:
             detail = response.text[:300] if "json" in response.headers.get("content-type", "") else ""
             raise TransportFailure(f"{destination.address} answered HTTP {response.status_code} {detail}".strip())

@@ -1,12 +1,13 @@
 """Signing of node-to-node requests and answers: HMAC-SHA256 over a timestamp, what the message
 is for, and the body.
 
-A request is signed for its method, its endpoint and the broker_instance of the node it goes
-to, so a request captured on its way to one node is worth nothing at another node that shares
-the secret, or at another endpoint.  An answer is signed as the answer to one request (its
-signature), so an answer cannot be passed off for another request.  Both directions use the
-secret the two nodes share.  Replaying a request within the allowed skew does no harm: the
-receiver discards duplicates and acknowledges again.
+A request is signed for its method, its endpoint, the media type of its body (for a batch, the
+wire version: see broker.wire) and the broker_instance of the node it goes to, so a request
+captured on its way to one node is worth nothing at another node that shares the secret, or at
+another endpoint, and its body cannot be passed off as another format.  An answer is signed as
+the answer to one request (its signature), so an answer cannot be passed off for another
+request.  Both directions use the secret the two nodes share.  Replaying a request within the
+allowed skew does no harm: the receiver discards duplicates and acknowledges again.
 """
 import hashlib
 import hmac
@@ -22,9 +23,10 @@ BATCHES_PATH = "/transport/v1/batches"
 DESCRIBE_PATH = "/transport/v1/describe"
 
 
-def request_purpose(method: str, path: str, destination_instance: str) -> str:
-    """What a request is for: its method, endpoint and the broker_instance of the node it is sent to."""
-    return f"{method} {path} at {destination_instance}"
+def request_purpose(method: str, path: str, media_type: str, destination_instance: str) -> str:
+    """What a request is for: its method, endpoint, the media type of its body and the broker_instance of
+    the node it is sent to."""
+    return f"{method} {path} as {media_type} at {destination_instance}"
 
 
 def answer_purpose(request_signature: str) -> str:

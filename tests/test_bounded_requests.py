@@ -38,10 +38,11 @@ def _peak_memory_bytes(node) -> int:
     return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
 
 
-def _headers_only(node, path: str, headers: dict[str, str], declared_bytes: int) -> tuple[int, str]:
+def _headers_only(node, path: str, headers: dict[str, str], declared_bytes: int,
+                  content_type: str | None = "application/json") -> tuple[int, str]:
     """The status and the raw answer to a request that declares a body and sends none of it."""
     address = urlsplit(node.address)
-    lines = [f"POST {path} HTTP/1.1", "Host: node", "Content-Type: application/json",
+    lines = [f"POST {path} HTTP/1.1", "Host: node", *([f"Content-Type: {content_type}"] if content_type else []),
              f"Content-Length: {declared_bytes}", *(f"{name}: {value}" for name, value in headers.items())]
     with socket.create_connection((address.hostname, address.port), timeout=10) as connection:
         connection.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())

@@ -10,7 +10,7 @@ import pytest
 import uvicorn
 
 import broker
-from broker import signing
+from broker import signing, wire
 from tests.nodes import SECRET, free_port, wait_for
 
 
@@ -75,7 +75,7 @@ class HostilePeer:
         from starlette.routing import Route
 
         async def healthz(request):
-            return JSONResponse({"status": "ok", "broker_instance": instance})
+            return JSONResponse({"status": "ok", "broker_instance": instance, "wire_version": wire.WIRE_VERSION})
 
         async def describe(request):
             purpose = signing.answer_purpose(request.headers[signing.SIGNATURE_HEADER])

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 import broker
-from broker import signing
+from broker import signing, wire
 from tests.conftest import _fresh_database
 from tests.nodes import SECRET, Node, define_node, wait_for
 from tests.test_transport import _encode
@@ -20,9 +20,13 @@ ROGUE_SECRET = "the-rogue-peers-own-secret"
 NOT_LISTENING = "http://127.0.0.1:9"
 
 
-def _signed_request(secret: str, sender, destination, path: str, body: bytes) -> dict[str, str]:
-    """The headers a node puts on a request to the node whose broker_instance is destination."""
-    return signing.signed_headers(secret, str(sender), signing.request_purpose("POST", path, str(destination)), body)
+def _signed_request(secret: str, sender, destination, path: str, body: bytes, media_type: str | None = None
+                    ) -> dict[str, str]:
+    """The headers a node puts on a request to the node whose broker_instance is destination: with the media
+    type that the endpoint takes, unless another is given."""
+    media_type = media_type or (wire.BATCH_MEDIA_TYPE if path == signing.BATCHES_PATH else wire.JSON_MEDIA_TYPE)
+    purpose = signing.request_purpose("POST", path, media_type, str(destination))
+    return {"Content-Type": media_type, **signing.signed_headers(secret, str(sender), purpose, body)}
 
 
 def _signed_answer(secret: str, instance: str, request_headers, body: bytes) -> dict[str, str]:
@@ -282,7 +286,8 @@ def test_an_answer_counts_only_for_the_request_it_answers(nodes):
         if first_answer:
             return first_answer[0]
         forwarded = httpx.post(f"{b.address}{signing.BATCHES_PATH}", content=body, timeout=30,
-                               headers={name: value for name, value in headers.items() if name.startswith("X-Broker")})
+                               headers={name: value for name, value in headers.items()
+                                        if name.startswith("X-Broker") or name.lower() == "content-type"})
         first_answer.append((forwarded.status_code, {name: value for name, value in forwarded.headers.items()
                                                      if name.lower().startswith("x-broker")}, forwarded.content))
         return first_answer[0]
@@ -353,7 +358,7 @@ def test_a_request_captured_on_its_way_to_one_node_is_refused_at_another(nodes, 
 def test_a_request_signed_for_one_endpoint_is_refused_at_another(nodes):
     a, b = nodes
     body = _encode(b, _rows(uuid.uuid4(), [1]))
-    headers = _signed_request(SECRET, a.instance, b.instance, signing.DESCRIBE_PATH, body)
+    headers = _signed_request(SECRET, a.instance, b.instance, signing.DESCRIBE_PATH, body, wire.BATCH_MEDIA_TYPE)
     response = httpx.post(f"{b.address}{signing.BATCHES_PATH}", content=body, headers=headers, timeout=30)
     assert response.status_code == 401 and response.json()["type"] == "/problems/bad-signature"
     assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0

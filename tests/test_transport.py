@@ -12,7 +12,7 @@ import psycopg2.extras
 from sqlalchemy import text
 
 import broker
-from broker import signing
+from broker import signing, wire
 from tests.nodes import SECRET, two_nodes, wait_for
 
 
@@ -166,8 +166,9 @@ def _encode(node, rows, row_type="broker.transport_message") -> bytes:
 
 def _signed(secret, sender_instance, node, body: bytes) -> dict[str, str]:
     """The headers of a batch request to node, as a peer with sender_instance signs it."""
-    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, str(node.instance))
-    return signing.signed_headers(secret, str(sender_instance), purpose, body)
+    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.BATCH_MEDIA_TYPE, str(node.instance))
+    signed = signing.signed_headers(secret, str(sender_instance), purpose, body)
+    return {"Content-Type": wire.BATCH_MEDIA_TYPE, **signed}
 
 
 def _post(node, sender, body: bytes, *, secret=SECRET, headers=None):

@@ -1,12 +1,13 @@
 """Node-to-node endpoints, each signed both ways with the secret the two nodes share.
 
-A request counts only when it is signed for its method, its endpoint and this node's
-broker_instance; the answer is signed as the answer to that request (see broker.signing).
+A request counts only when it is signed for its method, its endpoint, its media type and this
+node's broker_instance; the answer is signed as the answer to that request (see broker.signing).
 
 POST /transport/v1/batches: messages from other nodes, acknowledged after our commit.  The
-body is PostgreSQL's binary COPY format of broker.transport_message rows (see broker.relay):
-it goes straight into a temporary table by COPY, and PostgreSQL's own input checks refuse
-anything malformed.
+body is PostgreSQL's binary COPY format of broker.transport_message rows (see broker.relay),
+sent as the media type of this node's wire version (broker.wire; api.admission refuses any
+other before the body is read): it goes straight into a temporary table by COPY, and
+PostgreSQL's own input checks refuse anything malformed.
 POST /transport/v1/describe: what this node offers a peer (its services, their queues and
 contracts, and its routes back to the peer), for `broker diagnose` on the peer.
 """
@@ -22,7 +23,7 @@ from sqlalchemy import text
 
 from api.admission import peer_instance
 from api.problems import database_unavailable, problem
-from broker import signing
+from broker import signing, wire
 from broker.sessions import with_temporary_table
 
 router = APIRouter()
@@ -51,10 +52,11 @@ DESCRIBE_CONTRACTS = text(
 ROUTES_TO_PEER = text("SELECT service_name FROM broker.routes WHERE broker_instance = :instance ORDER BY 1")
 
 
-def _secret_of_signer(connection, request: Request, path: str, instance: str, body: bytes) -> str:
-    """The secret the request is signed under, for this endpoint of this node; raises signing.BadSignature
-    when no peer signed it so."""
-    purpose = signing.request_purpose(request.method, path, request.app.state.broker_instance)
+def _secret_of_signer(connection, request: Request, path: str, media_type: str, instance: str,
+                      body: bytes) -> str:
+    """The secret the request is signed under, for this endpoint of this node and the media type it takes
+    there; raises signing.BadSignature when no peer signed it so."""
+    purpose = signing.request_purpose(request.method, path, media_type, request.app.state.broker_instance)
     return signing.matching_secret(list(connection.execute(SECRETS_OF_PEER, {"instance": instance}).scalars()),
                                    request.headers.get(signing.TIMESTAMP_HEADER),
                                    request.headers.get(signing.SIGNATURE_HEADER), purpose, body)
@@ -72,12 +74,13 @@ def _signed_answer(request: Request, secret: str, answer: bytes) -> Response:
     """The answer, signed as the answer to this request (whose signature has been checked)."""
     purpose = signing.answer_purpose(request.headers[signing.SIGNATURE_HEADER])
     headers = signing.signed_headers(secret, request.app.state.broker_instance, purpose, answer)
-    return Response(answer, media_type="application/json", headers=headers)
+    return Response(answer, media_type=wire.JSON_MEDIA_TYPE, headers=headers)
 
 
 @router.post(signing.BATCHES_PATH, include_in_schema=False)
 async def receive_batch(request: Request) -> Response:
-    instance = peer_instance(request)  # admitted: a peer this node routes to (api.admission)
+    # admitted: a peer this node routes to, sending this node's wire version (api.admission)
+    instance = peer_instance(request)
     batch = await request.body()  # at most max_batch_bytes: see api.limits
 
     def accept() -> Response:
@@ -85,7 +88,8 @@ async def receive_batch(request: Request) -> Response:
         try:
             with request.app.state.engine.connect() as connection, \
                     with_temporary_table(connection, "incoming_transport_batch", STAGE_BATCH).begin():
-                secret = _secret_of_signer(connection, request, signing.BATCHES_PATH, instance, batch)
+                secret = _secret_of_signer(connection, request, signing.BATCHES_PATH, wire.BATCH_MEDIA_TYPE,
+                                           instance, batch)
                 with connection.connection.cursor() as cursor:
                     cursor.copy_expert(COPY_BATCH, io.BytesIO(batch))
                 answer = connection.execute(ACCEPT_BATCH, {"instance": instance}).scalar_one()
@@ -114,7 +118,8 @@ async def describe(request: Request) -> Response:
     def describe_catalog() -> Response:
         with request.app.state.engine.connect() as connection:
             try:
-                secret = _secret_of_signer(connection, request, signing.DESCRIBE_PATH, instance, body)
+                secret = _secret_of_signer(connection, request, signing.DESCRIBE_PATH, wire.JSON_MEDIA_TYPE,
+                                           instance, body)
             except signing.BadSignature as refusal:
                 return _bad_signature(refusal)
             try:

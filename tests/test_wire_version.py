@@ -1,0 +1,137 @@
+"""The wire has a version: a node takes batches of its own wire version only, refuses any other from the
+request's headers, and a relay facing a node of another version keeps its messages and says why."""
+import json
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+import broker
+from broker import signing, wire
+from tests.nodes import SECRET, wait_for
+from tests.test_bounded_requests import MIB, _headers_only
+from tests.test_diagnose import _diagnose
+from tests.test_transport import _batch, _encode, _post, _stored
+
+OTHER_VERSION = 3
+
+
+class OtherVersionNode:
+    """A real HTTP server standing in for a node of wire version 3: /healthz names it, and every batch is
+    refused as a node of that version refuses one of ours."""
+
+    def __init__(self, instance):
+        self.content_types: list[str | None] = []
+        content_types = self.content_types
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._answer(200, "application/json",
+                             {"status": "ok", "broker_instance": str(instance), "wire_version": OTHER_VERSION})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                content_types.append(self.headers.get("Content-Type"))
+                self._answer(415, "application/problem+json", {
+                    "type": "/problems/unsupported-wire-version", "status": 415,
+                    "title": "The batch is in a wire version this node does not take",
+                    "detail": f"the batch is sent as wire version 2; this node takes wire version {OTHER_VERSION}",
+                    "wire_version": OTHER_VERSION})
+
+            def _answer(self, status, content_type, answer):
+                content = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("content_type,sent", [
+    (None, "no Content-Type"),
+    ("application/json", "(wire version 1)"),
+    (wire.BATCH_TYPE, "(no wire version)"),
+    (f"{wire.BATCH_TYPE}; version={OTHER_VERSION}", f"(wire version {OTHER_VERSION})"),
+], ids=["none", "JSON", "unversioned", "version 3"])
+def test_a_batch_in_another_wire_version_is_refused_before_its_body_is_read(nodes, content_type, sent):
+    a, b = nodes
+    peer = {signing.INSTANCE_HEADER: str(a.instance), signing.TIMESTAMP_HEADER: str(int(time.time())),
+            signing.SIGNATURE_HEADER: "0" * 64}
+    started = time.monotonic()
+    status, answer = _headers_only(b, signing.BATCHES_PATH, peer, 48 * MIB, content_type)
+    assert time.monotonic() - started < 5  # answered without waiting for the 48 MiB
+    assert status == 415 and "connection: close" in answer and "content-type: application/problem+json" in answer
+    problem = json.loads(answer[answer.rindex("\n{") + 1:])
+    assert problem["type"] == "/problems/unsupported-wire-version" and problem["wire_version"] == wire.WIRE_VERSION
+    assert sent in problem["detail"] and f"this node takes wire version {wire.WIRE_VERSION}" in problem["detail"]
+    assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
+
+
+def test_the_media_type_is_matched_as_media_types_are_and_is_signed(nodes):
+    a, b = nodes
+    assert httpx.get(f"{b.address}/healthz", timeout=5).json()["wire_version"] == wire.WIRE_VERSION
+    conversation = uuid.uuid4()
+    spelled = f'Application/Vnd.PG-Broker.Batch ; Version="{wire.WIRE_VERSION}"'
+    first = _post(b, a, _encode(b, _batch(conversation, [1])), headers={"Content-Type": spelled})
+    assert first.status_code == 200
+
+    second = _encode(b, _batch(conversation, [2]))
+    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, f"{wire.BATCH_TYPE}; version={OTHER_VERSION}",
+                                      str(b.instance))
+    signed_for_another = {"Content-Type": wire.BATCH_MEDIA_TYPE,
+                          **signing.signed_headers(SECRET, str(a.instance), purpose, second)}
+    refused = httpx.post(f"{b.address}{signing.BATCHES_PATH}", content=second, headers=signed_for_another, timeout=30)
+    assert refused.status_code == 401 and refused.json()["type"] == "/problems/bad-signature"
+    assert [tuple(row) for row in _stored(b)] == [(1, "1")]
+    assert _post(b, a, second).status_code == 200  # the same batch, signed for what it is
+    assert [tuple(row) for row in _stored(b)] == [(1, "1"), (2, "2")]
+
+
+def test_a_relay_facing_another_wire_version_keeps_its_messages_and_diagnose_says_what_to_do(nodes):
+    a, b = nodes
+    far = OtherVersionNode(b.instance)
+    try:
+        with a.engine.begin() as c:
+            broker.drop_route(c, "warehouse")
+            broker.create_route(c, "warehouse", far.address, b.instance, SECRET)
+            handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
+            for line in (1, 2, 3):
+                broker.send(c, handle, "order.note", str(line))
+        wait_for(lambda: a.scalar("SELECT min(attempts) FROM broker.transmission_queue") >= 2, 30,
+                 "the relay to try again after its backoff")
+        assert far.content_types[0] == wire.BATCH_MEDIA_TYPE
+        assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 3
+        status = a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue")
+        assert f"{far.address} speaks another wire version (HTTP 415)" in status
+        assert f"it takes wire version {OTHER_VERSION}, this node sends wire version {wire.WIRE_VERSION}" in status
+
+        code, findings = _diagnose(a)
+        assert code == 1
+        errors = {f["check"]: f for f in findings if f["level"] == "error"}
+        node = errors[f"node {far.address}"]
+        assert f"speaks wire version {OTHER_VERSION}, this node wire version {wire.WIRE_VERSION}" in node["finding"]
+        assert "upgrade one of the two nodes" in node["advice"]
+        transmission = errors[f"transmission to {far.address}"]
+        assert "another wire version" in transmission["finding"]
+        assert "upgrade one of the two nodes" in transmission["advice"]
+    finally:
+        far.close()
+
+    with a.engine.begin() as c:  # the same version again: nothing was lost
+        broker.drop_route(c, "warehouse")
+        broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
+    assert [m.body for m in b.receive_all("warehouse_queue", 3, timeout_s=60)] == [b"1", b"2", b"3"]
