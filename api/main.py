@@ -5,6 +5,7 @@ from http import HTTPStatus
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
@@ -14,8 +15,8 @@ from starlette.exceptions import HTTPException
 from api.admission import Admission
 from api.arrivals import Arrivals
 from api.limits import RequestLimits
-from api.problems import (InternalErrors, Problem, database_unavailable, from_broker_error, from_problem,
-                          internal_error, problem)
+from api.problems import (InternalErrors, Problem, ProblemDetails, database_unavailable, from_broker_error,
+                          from_problem, internal_error, problem)
 from api.routes import catalog, console, conversations, health, queues, transport
 from broker import migrate
 from broker.errors import BrokerError
@@ -55,7 +56,9 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
         app.state.arrivals.close()
         app.state.engine.dispose()
 
-    app = FastAPI(title="pg-broker node", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="pg-broker node", version="0.1.0", description=DESCRIPTION, lifespan=lifespan,
+                  generate_unique_id_function=_operation_id)
+    app.openapi = lambda: _openapi(app)
     # Statement parameters stay out of error messages (and so out of the log): they hold message bodies.
     app.state.engine = create_engine(database_url, pool_size=api_connections, max_overflow=0,
                                      pool_timeout=api_connection_wait_s, pool_pre_ping=True, hide_parameters=True,
@@ -121,6 +124,20 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
                        "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()[:5]))
 
     return app
+
+
+def _operation_id(route: APIRoute) -> str:
+    """A route's operationId is its function's name (send_message), which generated clients name their calls by;
+    FastAPI's default adds the path and method (send_message_v1_conversations_conversation_handle_messages_post)."""
+    return route.name
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document, with the ProblemDetails schema that every error response refers to
+    (api.problems.error_responses)."""
+    if app.openapi_schema is None:
+        FastAPI.openapi(app)["components"]["schemas"]["ProblemDetails"] = ProblemDetails.model_json_schema()
+    return app.openapi_schema
 
 
 def _limit_lock_waits(dbapi_connection, _record) -> None:

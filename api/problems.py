@@ -17,6 +17,7 @@ from broker.masking import mask_passwords
 log = logging.getLogger(__name__)
 # A request refused before its body was read: the connection cannot carry another, so it ends.
 CLOSE = {"Connection": "close"}
+PROBLEM_JSON = "application/problem+json"
 
 # status, type, title
 BY_ERROR_CLASS: dict[type[errors.BrokerError], tuple[int, str, str]] = {
@@ -44,6 +45,7 @@ class ProblemDetails(BaseModel):
     sqlstate: str | None = Field(None, examples=["BR004"])
     hint: str | None = None
     expected_sequence_number: int | None = Field(None, description="with sequence-conflict: the number that comes next")
+    limit_bytes: int | None = Field(None, description="with too-large for a request: the node's limit")
 
 
 class Problem(Exception):
@@ -60,7 +62,7 @@ def problem(status: int, kind: str, title: str, detail: str, headers: dict | Non
     """The response for a problem: every one says in its detail what happened in this case."""
     body = {"type": f"/problems/{kind}", "title": title, "status": status, "detail": detail}
     body.update({name: value for name, value in extensions.items() if value is not None})
-    return JSONResponse(body, status_code=status, media_type="application/problem+json", headers=headers)
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
 
 
 def database_unavailable(detail: str = "the node lost its database connection, or a statement timed out or "
@@ -115,13 +117,24 @@ class InternalErrors:
                 await response(scope, receive, send)
 
 
-# Every /v1 route may answer with these; listed in the OpenAPI document.  A
-# lost lock is a 409: the lease is no longer in a state that allows this.
-RESPONSES = {status: {"content": {"application/problem+json": {"schema": ProblemDetails.model_json_schema()}},
-                      "description": description}
-             for status, description in [
-                 (400, "Invalid argument"), (401, "No valid API key"), (403, "The key lacks the scope"),
-                 (404, "Unknown object"), (409, "Conflict with the current state"),
-                 (413, "Request too large"),
-                 (422, "Request does not match the schema or the contract"),
-                 (503, "The database is unavailable; retry")]}
+# What each error status means in the OpenAPI document; every one answers a ProblemDetails.
+ERRORS = {
+    400: "An argument the broker refuses", 401: "No valid API key", 403: "The key lacks the scope",
+    404: "Unknown object", 408: "The request body did not come in time",
+    409: "Conflict with the current state (a lost lock is one: the lease no longer allows this)",
+    413: "Request too large", 422: "Request does not match the schema or the contract",
+    500: "The node failed; nothing was applied", 503: "The database is unavailable; retry",
+}
+# What every route with an API key may answer: no valid key (before the body is read), a key without the scope,
+# a failure of the node, the database unavailable.
+KEYED = (401, 403, 500, 503)
+# What a route that reads a body may answer besides: the body too slow, too large, or off the schema.
+READS_BODY = (408, 413, 422)
+
+
+def error_responses(*statuses: int) -> dict[int, dict]:
+    """An operation's documented errors, each referring to the one ProblemDetails schema (a component that
+    api.main adds to the document), so that a generated client parses every one into the same model."""
+    schema = {"$ref": "#/components/schemas/ProblemDetails"}
+    return {status: {"description": ERRORS[status], "content": {PROBLEM_JSON: {"schema": schema}}}
+            for status in statuses}

@@ -400,3 +400,12 @@ def test_the_openapi_document_shows_every_route_with_examples(api):
     schemas = document["components"]["schemas"]
     for model in ("BeginConversation", "SendMessage", "ReceiveRequest", "EndConversation"):
         assert schemas[model].get("examples"), model
+    # Named operations, and every error the one ProblemDetails component (a generated client is
+    # exercised in test_openapi_client.py).
+    operations = [operation for methods in document["paths"].values() for operation in methods.values()]
+    assert {"begin_conversation", "send_message", "receive", "complete_lock"} <= {o["operationId"] for o in operations}
+    problem_json = {"application/problem+json": {"schema": {"$ref": "#/components/schemas/ProblemDetails"}}}
+    for operation in operations:
+        assert operation["tags"], operation["operationId"]
+        assert all(response["content"] == problem_json for status, response in operation["responses"].items()
+                   if int(status) >= 400), operation["operationId"]

@@ -9,10 +9,10 @@ from pydantic import BaseModel, Field
 from sqlalchemy import text
 
 from api.auth import api_key, require
-from api.problems import RESPONSES
+from api.problems import KEYED, error_responses
 from broker.api_keys import ApiKey
 
-router = APIRouter(prefix="/v1", tags=["catalog"], responses=RESPONSES)
+router = APIRouter(prefix="/v1", tags=["catalog"], responses=error_responses(*KEYED))
 
 MESSAGE_TYPES = text("SELECT name, validation FROM broker.message_types ORDER BY name")
 CONTRACTS = text(
@@ -81,27 +81,27 @@ def _rows(request: Request, key: ApiKey, query, **params) -> list[dict[str, Any]
 
 
 @router.get("/message-types", response_model=list[MessageType], summary="Message types")
-def message_types(request: Request, key: ApiKey = Depends(api_key)) -> Any:
+def list_message_types(request: Request, key: ApiKey = Depends(api_key)) -> Any:
     return _rows(request, key, MESSAGE_TYPES)
 
 
 @router.get("/contracts", response_model=list[Contract], summary="Contracts")
-def contracts(request: Request, key: ApiKey = Depends(api_key)) -> Any:
+def list_contracts(request: Request, key: ApiKey = Depends(api_key)) -> Any:
     return _rows(request, key, CONTRACTS)
 
 
 @router.get("/services", response_model=list[Service], summary="Services")
-def services(request: Request, key: ApiKey = Depends(api_key)) -> Any:
+def list_services(request: Request, key: ApiKey = Depends(api_key)) -> Any:
     return _rows(request, key, SERVICES)
 
 
 @router.get("/routes", response_model=list[Route], summary="Routes to remote services")
-def routes(request: Request, key: ApiKey = Depends(api_key)) -> Any:
+def list_routes(request: Request, key: ApiKey = Depends(api_key)) -> Any:
     return _rows(request, key, ROUTES)
 
 
 @router.get("/transmission-queue", response_model=list[WaitingMessage], tags=["queues"],
-            summary="Messages waiting for a remote node's acknowledgement")
-def transmission_queue(request: Request, key: ApiKey = Depends(api_key), limit: int = Query(100, ge=1, le=1000),
-                       offset: int = Query(0, ge=0, le=2**62)) -> Any:
+            summary="Messages waiting for a remote node's acknowledgement", responses=error_responses(422))
+def list_transmission_queue(request: Request, key: ApiKey = Depends(api_key),
+                            limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62)) -> Any:
     return _rows(request, key, TRANSMISSION_QUEUE, limit=limit, offset=offset)

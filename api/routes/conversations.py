@@ -10,11 +10,11 @@ from sqlalchemy import Connection, text
 import broker
 from api import bodies
 from api.auth import api_key, require
-from api.problems import RESPONSES, Problem
+from api.problems import KEYED, READS_BODY, Problem, error_responses
 from api.types import Name, Text, integer
 from broker.api_keys import ApiKey
 
-router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=RESPONSES)
+router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=error_responses(*KEYED))
 
 ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
 
@@ -92,7 +92,8 @@ def _sending_endpoint(connection: Connection, key: ApiKey, handle: UUID):
     return endpoint
 
 
-@router.post("", status_code=201, response_model=Conversation, summary="Begin a conversation")
+@router.post("", status_code=201, response_model=Conversation, summary="Begin a conversation",
+             responses=error_responses(400, 404, 409, *READS_BODY))
 def begin_conversation(begin: BeginConversation, request: Request, key: ApiKey = Depends(api_key)) -> Any:
     require(key, f"send:{begin.from_service}")
     lifetime = timedelta(seconds=begin.lifetime_s) if begin.lifetime_s else None
@@ -102,7 +103,8 @@ def begin_conversation(begin: BeginConversation, request: Request, key: ApiKey =
         return _endpoint(connection, handle)._asdict()
 
 
-@router.get("/{conversation_handle}", response_model=Conversation, summary="Look at one side of a conversation")
+@router.get("/{conversation_handle}", response_model=Conversation, summary="Look at one side of a conversation",
+            responses=error_responses(404, 422))
 def get_conversation(conversation_handle: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Any:
     with request.app.state.engine.connect() as connection:
         endpoint = _endpoint(connection, conversation_handle)
@@ -110,7 +112,8 @@ def get_conversation(conversation_handle: UUID, request: Request, key: ApiKey = 
     return endpoint._asdict()
 
 
-@router.post("/{conversation_handle}/messages", status_code=201, response_model=Sent, summary="Send a message")
+@router.post("/{conversation_handle}/messages", status_code=201, response_model=Sent, summary="Send a message",
+             responses=error_responses(400, 404, 409, *READS_BODY))
 def send_message(conversation_handle: UUID, message: SendMessage, request: Request,
                  key: ApiKey = Depends(api_key)) -> Sent:
     body = bodies.encode(message.body, message.body_base64)
@@ -124,7 +127,8 @@ def send_message(conversation_handle: UUID, message: SendMessage, request: Reque
         return Sent(sequence_number=message.sequence_number, duplicate=not sent_now)
 
 
-@router.post("/{conversation_handle}/end", response_model=Conversation, summary="End a conversation")
+@router.post("/{conversation_handle}/end", response_model=Conversation, summary="End a conversation",
+             responses=error_responses(400, 404, 409, *READS_BODY))
 def end_conversation(conversation_handle: UUID, request: Request, end: EndConversation | None = None,
                      key: ApiKey = Depends(api_key)) -> Any:
     end = end or EndConversation()

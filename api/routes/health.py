@@ -3,14 +3,18 @@
 
 /healthz runs on the event loop and touches no database: it answers at once while every thread and
 database connection is busy, so that a node that is only slow is not taken for dead."""
+from uuid import UUID
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from pydantic import BaseModel, Field
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from api.auth import api_key, require
-from api.problems import RESPONSES, problem
+from api.problems import KEYED, error_responses, problem
+from broker import wire
 from broker.api_keys import ApiKey
 
 router = APIRouter(tags=["operations"])
@@ -18,14 +22,25 @@ router = APIRouter(tags=["operations"])
 SCHEMA_VERSION = text("SELECT version_num FROM public.broker_alembic_version")
 
 
+class Health(BaseModel):
+    status: str = Field(examples=["ok"])
+    broker_instance: UUID = Field(description="this node's identity, as its peers' routes name it")
+    wire_version: int = Field(description="the version of the batches this node sends and takes")
+
+
+class Readiness(BaseModel):
+    status: str = Field(examples=["ready"])
+    schema_revision: str = Field(description="the broker schema's Alembic revision, the head this node needs")
+
+
 @router.get("/healthz", summary="Liveness")
-async def healthz(request: Request) -> dict:
-    return {"status": "ok", "broker_instance": request.app.state.broker_instance}
+async def healthz(request: Request) -> Health:
+    return Health(status="ok", broker_instance=request.app.state.broker_instance, wire_version=wire.WIRE_VERSION)
 
 
 @router.get("/readyz", summary="Readiness: the database answers and its schema is at head",
-            responses={503: {"description": "not ready, with the reason"}})
-def readyz(request: Request):
+            response_model=Readiness, responses=error_responses(500, 503))
+def readyz(request: Request) -> Readiness | Response:
     head = request.app.state.schema_head
     try:
         with request.app.state.engine.connect() as connection:
@@ -35,12 +50,12 @@ def readyz(request: Request):
     if version != head:
         return problem(503, "not-ready", "The broker schema is not at head",
                        f"the database is at revision {version}, this node needs {head}: run 'broker migrate'")
-    return {"status": "ready", "schema_revision": version}
+    return Readiness(status="ready", schema_revision=version)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,
-            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}},
-                       **{status: RESPONSES[status] for status in (401, 403, 503)}})
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+                       **error_responses(*KEYED)})
 def metrics(request: Request, key: ApiKey = Depends(api_key)) -> Response:
     require(key, "admin")
     exposition = generate_latest(REGISTRY) + generate_latest(request.app.state.database_metrics)

@@ -21,12 +21,12 @@ from sqlalchemy import text
 import broker
 from api import bodies
 from api.auth import api_key, require
-from api.problems import RESPONSES, Problem
+from api.problems import KEYED, READS_BODY, Problem, error_responses
 from api.types import NamePath, Number, integer
 from broker.api_keys import ApiKey
 from broker.metrics import API_ABANDONED, API_COMPLETED, API_RECEIVED
 
-router = APIRouter(tags=["queues"], responses=RESPONSES)
+router = APIRouter(tags=["queues"], responses=error_responses(*KEYED))
 
 QUEUE_ID = text("SELECT queue_id FROM broker.queues WHERE name = :queue")
 QUEUE_OF_LOCK = text("SELECT q.name FROM broker.leases l JOIN broker.queues q USING (queue_id)"
@@ -109,7 +109,8 @@ def _queue_id(engine, queue: str) -> int:
 
 
 @router.post("/v1/queues/{queue}/receive", response_model=Received, summary="Receive with peek-lock",
-             responses={204: {"description": "nothing arrived within wait_ms"}})
+             responses={204: {"description": "nothing arrived within wait_ms"},
+                        **error_responses(400, 404, 409, *READS_BODY)})
 async def receive(queue: NamePath, request: Request, options: ReceiveRequest | None = None,
                   key: ApiKey = Depends(api_key)) -> Any:
     """Locks the next conversation group and returns its next messages in order.
@@ -172,8 +173,9 @@ def _locked_queue(connection, key: ApiKey, lock_token: UUID) -> str | None:
     return queue
 
 
-@router.post("/v1/locks/{lock_token}/complete", response_model=Completed, summary="Consume a lock's messages")
-def complete(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Completed:
+@router.post("/v1/locks/{lock_token}/complete", response_model=Completed, summary="Consume a lock's messages",
+             responses=error_responses(409, 422))
+def complete_lock(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Completed:
     with request.app.state.engine.begin() as connection:
         queue = _locked_queue(connection, key, lock_token)
         completed = broker.complete_lock(connection, lock_token)
@@ -181,8 +183,9 @@ def complete(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key))
     return Completed(completed=completed)
 
 
-@router.post("/v1/locks/{lock_token}/abandon", response_model=Abandoned, summary="Hand a lock's messages back")
-def abandon(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Abandoned:
+@router.post("/v1/locks/{lock_token}/abandon", response_model=Abandoned, summary="Hand a lock's messages back",
+             responses=error_responses(409, 422))
+def abandon_lock(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Abandoned:
     with request.app.state.engine.begin() as connection:
         queue = _locked_queue(connection, key, lock_token)
         quarantined = broker.abandon_lock(connection, lock_token)
@@ -191,14 +194,15 @@ def abandon(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) 
 
 
 @router.get("/v1/queues", response_model=list[QueueStatus], summary="Status of every queue")
-def queues(request: Request, key: ApiKey = Depends(api_key)) -> list[QueueStatus]:
+def list_queues(request: Request, key: ApiKey = Depends(api_key)) -> list[QueueStatus]:
     require(key, "admin")
     with request.app.state.engine.connect() as connection:
         return [_queue_status(row) for row in connection.execute(ALL_QUEUES)]
 
 
-@router.get("/v1/queues/{queue}", response_model=QueueStatus, summary="Status of one queue")
-def queue_status(queue: NamePath, request: Request, key: ApiKey = Depends(api_key)) -> QueueStatus:
+@router.get("/v1/queues/{queue}", response_model=QueueStatus, summary="Status of one queue",
+            responses=error_responses(404, 422))
+def get_queue_status(queue: NamePath, request: Request, key: ApiKey = Depends(api_key)) -> QueueStatus:
     require(key, f"receive:{queue}")
     with request.app.state.engine.connect() as connection:
         row = connection.execute(ONE_QUEUE, {"queue": queue}).first()
