@@ -22,8 +22,20 @@ from broker.settings import Settings
 
 app = typer.Typer(help="Exactly-once-in-order messaging between PostgreSQL databases.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
-console = Console()
-stderr = Console(stderr=True)  # failures and notices: stdout keeps what a script reads
+# The width of a console that is not a terminal: wider than any line the commands print.
+UNWRAPPED_WIDTH = 10_000
+
+
+def _console(to_stderr: bool) -> Console:
+    """Rich on a terminal; without one (a pipe, a log) plain and unwrapped: each line whole, a table at
+    its natural width."""
+    if (sys.stderr if to_stderr else sys.stdout).isatty():
+        return Console(stderr=to_stderr)
+    return Console(stderr=to_stderr, soft_wrap=True, width=UNWRAPPED_WIDTH, no_color=True)
+
+
+console = _console(to_stderr=False)
+stderr = _console(to_stderr=True)  # failures and notices: stdout keeps what a script reads
 
 # PostgreSQL's errors for a schema, table or function that is not there: the broker schema is missing or old.
 SCHEMA_MISSING = {"3F000", "42P01", "42883"}

@@ -39,7 +39,7 @@ def test_a_database_without_the_schema_says_to_migrate(empty_database_url):
     assert "Traceback" not in result.stdout + result.stderr
 
 
-def test_status_shows_stored_text_as_it_is_never_as_markup_or_terminal_codes(database_url, engine, orders):
+def _dead_letter(engine, reason: str) -> None:
     with engine.begin() as c:
         broker.alter_queue(c, WAREHOUSE_QUEUE, poison_threshold=1)
         broker.send(c, begin(c), "order.note", "poison")
@@ -47,7 +47,11 @@ def test_status_shows_stored_text_as_it_is_never_as_markup_or_terminal_codes(dat
         [message] = broker.receive(c, WAREHOUSE_QUEUE)
         c.rollback()
     with engine.begin() as c:
-        assert broker.report_processing_failure(c, WAREHOUSE_QUEUE, message.conversation_group_id, HOSTILE_REASON)
+        assert broker.report_processing_failure(c, WAREHOUSE_QUEUE, message.conversation_group_id, reason)
+
+
+def test_status_shows_stored_text_as_it_is_never_as_markup_or_terminal_codes(database_url, engine, orders):
+    _dead_letter(engine, HOSTILE_REASON)
     result = _run("status", database_url=database_url)
     assert result.returncode == 0, result.stderr
     assert "KeyError: '[/]'" in result.stdout and "[link=http://evil.example]click[/link]" in result.stdout
@@ -59,3 +63,15 @@ def test_keys_create_prints_only_the_key_on_stdout_for_a_shell_to_capture(databa
     assert result.returncode == 0, result.stderr
     [key] = result.stdout.splitlines()
     assert key.startswith("bk_") and "keep it now" in result.stderr
+
+
+def test_without_a_terminal_output_is_plain_and_unwrapped(database_url, engine, orders):
+    """As in a log: no COLUMNS, no terminal, and a line longer than any terminal."""
+    reason = "ValueError: " + " ".join(f"field{i}" for i in range(60))
+    _dead_letter(engine, reason)
+    environment = {name: value for name, value in os.environ.items() if name != "COLUMNS"}
+    result = subprocess.run([sys.executable, "-m", "broker.cli", "status"], capture_output=True, text=True,
+                            timeout=120, env={**environment, "BROKER_DATABASE_URL": database_url})
+    assert result.returncode == 0, result.stderr
+    assert any(reason in line for line in result.stdout.splitlines()), result.stdout
+    assert "\x1b[" not in result.stdout
