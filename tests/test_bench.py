@@ -22,6 +22,7 @@ def _bench(admin_url, output, *options):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # as long as the bench itself may take: a loaded machine doubles its 90 s
 def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(admin_url, tmp_path):
     result = _bench(admin_url, tmp_path, "--quick", "--repetitions", "1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
