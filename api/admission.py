@@ -37,6 +37,10 @@ def unknown_peer(detail: str):
                    headers=CLOSE)
 
 
+def bad_signature(refusal: signing.BadSignature, headers: dict | None = None):
+    return problem(401, "bad-signature", "The request is not signed by a known peer", str(refusal), headers=headers)
+
+
 def unsupported_wire_version(content_type: str | None):
     """415 naming both versions, with this node's as an extension member, so that the sender can log it."""
     return problem(415, "unsupported-wire-version", "The batch is in a wire version this node does not take",
@@ -89,8 +93,7 @@ class Admission:
                 signing.check_fresh(request.headers.get(signing.TIMESTAMP_HEADER),
                                     request.headers.get(signing.SIGNATURE_HEADER))
             except signing.BadSignature as refusal:
-                return problem(401, "bad-signature", "The request is not signed by a known peer", str(refusal),
-                               headers=CLOSE)
+                return bad_signature(refusal, headers=CLOSE)
             if not await anyio.to_thread.run_sync(self._routed, instance):
                 return unknown_peer(f"this node has no route to broker instance {instance}")
             content_type = request.headers.get("content-type")

@@ -12,22 +12,17 @@ from broker import schema
 # database stays its own.
 VERSION_TABLE = "broker_alembic_version"
 LOCK_FIRST_BUILD = text("SELECT pg_advisory_xact_lock(hashtext('broker schema build'))")
-SCHEMA_EXISTS = text("SELECT to_regnamespace('broker') IS NOT NULL"
-                     " OR to_regclass('public.broker_alembic_version') IS NOT NULL")
+SCHEMA_EXISTS = text(f"SELECT to_regnamespace('broker') IS NOT NULL"
+                     f" OR to_regclass('public.{VERSION_TABLE}') IS NOT NULL")
 # broker/sql/ creates the version table as Alembic does (it grants on it); the row is Alembic's stamp.
-STAMP = text("INSERT INTO public.broker_alembic_version (version_num) VALUES (:revision)")
+STAMP = text(f"INSERT INTO public.{VERSION_TABLE} (version_num) VALUES (:revision)")
 
 
 def run_sql_file(path: Path) -> None:
-    """Runs a revision's frozen SQL inside the migration's transaction.
-
-    Straight to the driver's cursor, with no parameters: the plpgsql holds ":"
-    and "%" that SQLAlchemy and psycopg2 would take for placeholders.
-    """
+    """Runs a revision's frozen SQL inside the migration's transaction (see schema.execute_script)."""
     from alembic import op
 
-    with op.get_bind().connection.dbapi_connection.cursor() as cursor:
-        cursor.execute(path.read_text())
+    schema.execute_script(op.get_bind(), path.read_text())
 
 
 def alembic_config(database_url: str) -> Config:

@@ -17,10 +17,14 @@ def create(connection) -> None:
     """Creates schema broker, as of the head revision, in an empty database.
 
     `connection` is a SQLAlchemy Connection (Alembic's op.get_bind() is one); everything runs in
-    its transaction.  Straight to the driver's cursor, with no parameters: the plpgsql holds ":"
-    and "%" that SQLAlchemy and psycopg2 would take for placeholders.  Stamping the head revision
-    is the caller's part.
+    its transaction.  Stamping the head revision is the caller's part.
     """
+    for file in definition_files():
+        execute_script(connection, file.read_text())
+
+
+def execute_script(connection, script: str) -> None:
+    """Runs SQL as written, in the connection's transaction: straight to the driver's cursor, with no
+    parameters, as plpgsql holds ":" and "%" that SQLAlchemy and psycopg2 would take for placeholders."""
     with connection.connection.dbapi_connection.cursor() as cursor:
-        for file in definition_files():
-            cursor.execute(file.read_text())
+        cursor.execute(script)

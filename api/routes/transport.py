@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import text
 
-from api.admission import peer_instance
+from api.admission import bad_signature, peer_instance
 from api.problems import database_unavailable, problem
 from broker import signing, wire
 from broker.sessions import with_temporary_table
@@ -62,10 +62,6 @@ def _secret_of_signer(connection, request: Request, path: str, media_type: str, 
                                    request.headers.get(signing.SIGNATURE_HEADER), purpose, body)
 
 
-def _bad_signature(refusal: signing.BadSignature) -> Response:
-    return problem(401, "bad-signature", "The request is not signed by a known peer", str(refusal))
-
-
 def _malformed(kind: str, detail: str) -> Response:
     return problem(400, kind, "The body is not what this endpoint takes", detail)
 
@@ -94,7 +90,7 @@ async def receive_batch(request: Request) -> Response:
                     cursor.copy_expert(COPY_BATCH, io.BytesIO(batch))
                 answer = connection.execute(ACCEPT_BATCH, {"instance": instance}).scalar_one()
         except signing.BadSignature as refusal:
-            return _bad_signature(refusal)
+            return bad_signature(refusal)
         except (psycopg2.DataError, psycopg2.IntegrityError) as error:  # PostgreSQL's input checks refused it
             return _malformed("malformed-batch", str(error).strip().splitlines()[0])
         except psycopg2.OperationalError:
@@ -121,7 +117,7 @@ async def describe(request: Request) -> Response:
                 secret = _secret_of_signer(connection, request, signing.DESCRIBE_PATH, wire.JSON_MEDIA_TYPE,
                                            instance, body)
             except signing.BadSignature as refusal:
-                return _bad_signature(refusal)
+                return bad_signature(refusal)
             try:
                 asked = DescribeRequest.model_validate_json(body)
             except ValidationError as error:
