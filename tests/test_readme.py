@@ -134,3 +134,9 @@ def test_the_curl_session_runs_as_written(database_url, tmp_path):
     finally:
         node.stop()
         node.engine.dispose()
+
+
+def test_ci_runs_the_readmes_test_command():
+    command = README.split("# Install and run the tests\n", 1)[1].splitlines()[0]
+    ci = (Path(__file__).parent.parent / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci == command
