@@ -10,16 +10,15 @@ come (api.routes.transport).
 from uuid import UUID
 
 import anyio
-from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.requests import Request
 
 from api.problems import CLOSE, database_unavailable, problem
-from broker import api_keys, signing, wire
+from broker import api_keys, queries
+from broker.transport import signing, wire
 
 KEY_SCHEME = "bearer "
-PEER_IS_ROUTED = text("SELECT EXISTS (SELECT FROM broker.routes WHERE broker_instance = :instance)")
 
 
 def needs_key(path: str) -> bool:
@@ -107,4 +106,4 @@ class Admission:
 
     def _routed(self, instance: str) -> bool:
         with self.engine.connect() as connection:
-            return connection.execute(PEER_IS_ROUTED, {"instance": instance}).scalar_one()
+            return queries.is_routed_peer(connection, instance)

@@ -7,7 +7,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import create_engine, event
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
@@ -18,7 +18,7 @@ from api.limits import RequestLimits
 from api.problems import (InternalErrors, Problem, ProblemDetails, database_unavailable, from_broker_error,
                           from_problem, internal_error, problem)
 from api.routes import catalog, console, conversations, health, queues, transport
-from broker import migrate
+from broker import migrate, queries
 from broker.errors import BrokerError
 from broker.metrics import DatabaseCollector
 
@@ -70,8 +70,7 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
     app.state.database_metrics = CollectorRegistry()
     app.state.database_metrics.register(DatabaseCollector(app.state.engine))
     with app.state.engine.connect() as connection:
-        app.state.broker_instance = str(connection.execute(
-            text("SELECT broker_instance FROM broker.node")).scalar_one())
+        app.state.broker_instance = queries.broker_instance(connection)
     for router in (conversations.router, queues.router, catalog.router, health.router, transport.router,
                    console.router):
         app.include_router(router)

@@ -5,8 +5,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import psycopg2
+from sqlalchemy import create_engine
 
 from bench.databases import run_sql
+from broker import queries
 
 MESSAGE_BYTES = 1024
 PER_TRANSACTION = 100
@@ -20,7 +22,6 @@ DEFINE_SENDER = "SELECT broker.create_queue('bench_src'); SELECT broker.create_s
 DEFINE_RECEIVER = ("SELECT broker.create_queue('bench_dst');"
                    " SELECT broker.create_service('bench_receiver', 'bench_dst', ARRAY['bench']);")
 ROUTE = "SELECT broker.create_route(%(service)s, %(address)s, %(instance)s, %(secret)s)"
-INSTANCE = "SELECT broker_instance FROM broker.node"
 BEGIN_CONVERSATIONS = ("SELECT broker.begin_dialog('bench_sender', 'bench_receiver', 'bench')"
                        " FROM generate_series(1, %(conversations)s)")
 SEND_BATCH = "SELECT broker.send_batch(%(handles)s::uuid[], 'bench.record', %(bodies)s::bytea[])"
@@ -40,7 +41,12 @@ def route(database_url: str, service: str, address: str, instance: str, secret: 
 
 
 def instance_of(database_url: str) -> str:
-    return str(run_sql(database_url, INSTANCE)[0][0])
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            return queries.broker_instance(connection)
+    finally:
+        engine.dispose()
 
 
 def begin_conversations(connection, conversations: int) -> list[str]:

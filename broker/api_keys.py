@@ -10,18 +10,14 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
+from broker import queries
 from broker.names import NAME_PATTERN
 
 SCOPE = re.compile(rf"admin|(send|receive):{NAME_PATTERN}")
 KEY = re.compile(r"bk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})")
 
-INSERT_KEY = text("INSERT INTO broker.api_keys (key_id, name, secret_sha256, scopes)"
-                  " VALUES (:key_id, :name, :secret_sha256, :scopes)")
-LIVE_KEY = text("SELECT name, secret_sha256, scopes FROM broker.api_keys WHERE key_id = :key_id AND revoked_at IS NULL")
-ALL_KEYS = text("SELECT key_id, name, scopes, created_at, revoked_at FROM broker.api_keys ORDER BY created_at")
-REVOKE_KEY = text("UPDATE broker.api_keys SET revoked_at = now() WHERE key_id = :key_id AND revoked_at IS NULL")
 
 
 @dataclass(frozen=True)
@@ -44,8 +40,7 @@ def create(connection: Connection, name: str, scopes: list[str]) -> str:
     if not scopes or bad:
         raise ValueError(f"invalid scope {bad[0]!r}" if bad else "give at least one scope")
     key_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
-    connection.execute(INSERT_KEY, {"key_id": key_id, "name": name, "secret_sha256": _sha256(secret),
-                                    "scopes": scopes})
+    queries.insert_api_key(connection, key_id, name, _sha256(secret), scopes)
     return f"bk_{key_id}_{secret}"
 
 
@@ -55,15 +50,9 @@ def verify(connection: Connection, presented: str) -> ApiKey | None:
     if not match:
         return None
     key_id, secret = match.groups()
-    row = connection.execute(LIVE_KEY, {"key_id": key_id}).first()
+    row = queries.live_api_key(connection, key_id)
     if row is None or not hmac.compare_digest(bytes(row.secret_sha256), _sha256(secret)):
         return None
     return ApiKey(key_id, row.name, tuple(row.scopes))
 
 
-def list_keys(connection: Connection) -> list:
-    return connection.execute(ALL_KEYS).all()
-
-
-def revoke(connection: Connection, key_id: str) -> bool:
-    return connection.execute(REVOKE_KEY, {"key_id": key_id}).rowcount == 1

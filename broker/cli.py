@@ -243,10 +243,10 @@ def list_keys() -> None:
     """List API keys (never their secrets)."""
     from rich.table import Table
 
-    from broker import api_keys
+    from broker import queries
 
     with database_engine() as engine, engine.connect() as connection:
-        rows = api_keys.list_keys(connection)
+        rows = queries.api_keys(connection)
     table = Table("key id", "name", "scopes", "created", "revoked")
     for row in rows:
         add_cells(table, row.key_id, row.name, " ".join(row.scopes), f"{row.created_at:%Y-%m-%d %H:%M}",
@@ -257,10 +257,10 @@ def list_keys() -> None:
 @keys.command("revoke")
 def revoke_key(key_id: str = typer.Argument(..., help="the key id that 'broker keys list' shows")) -> None:
     """Revoke an API key: requests with it get 401 from then on."""
-    from broker import api_keys
+    from broker import queries
 
     with database_engine() as engine, engine.begin() as connection:
-        revoked = api_keys.revoke(connection, key_id)
+        revoked = queries.revoke_api_key(connection, key_id)
     if not revoked:
         console.print(f"no live key {key_id}", style="red")
         raise typer.Exit(1)

@@ -22,7 +22,7 @@ from rich.table import Table
 from sqlalchemy import Engine, create_engine, text
 
 import broker
-from broker import migrate
+from broker import migrate, queries
 from broker.activation import run_activation
 from broker.embedded import EmbeddedPostgres
 from broker.processes import answers, free_port, start_broker, stop
@@ -30,9 +30,6 @@ from broker.processes import answers, free_port, start_broker, stop
 LINE, CONFIRMED, CONTRACT = "order.line", "order.confirmed", "orders"
 COUNT_STORED = text("SELECT count(*), count(DISTINCT (conversation_id, message_sequence_number)),"
                     " count(*) FILTER (WHERE line <> message_sequence_number) FROM order_lines")
-WAITING_TO_TRANSMIT = text("SELECT count(*) FROM broker.transmission_queue")
-WAITING_IN_QUEUE = text("SELECT depth FROM broker.queue_status WHERE queue_name = :queue")
-OPEN_ENDPOINTS = text("SELECT count(*) FROM broker.endpoints WHERE state <> 'closed'")
 
 
 @dataclass
@@ -52,9 +49,10 @@ class DemoNode:
     def service(self, role: str) -> str:
         return f"//demo/{self.name}/{role}"
 
-    def scalar(self, query, **params):
+    def read(self, query):
+        """query(connection), on a connection of its own."""
         with self.engine.connect() as connection:
-            return connection.execute(query, params).scalar_one()
+            return query(connection)
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -115,7 +113,7 @@ def _send_orders(a: DemoNode, b: DemoNode, conversations: int, messages: int, lo
                 kills += 1
                 console.print("  killed node a's relay (SIGKILL)")
             if i == 2 * conversations // 3:
-                waiting = a.scalar(WAITING_TO_TRANSMIT)
+                waiting = a.read(queries.waiting_to_transmit)
                 a.relay = start_broker(a.database_url, log, "relay")
                 console.print(f"  started node a's relay again, with {waiting} messages waiting for it")
             sender, receiver = (a, b) if i % 2 == 0 else (b, a)
@@ -158,7 +156,7 @@ def _consume(nodes: list[DemoNode], conversations: int, console: Console) -> Non
             closing = progress.add_task("consuming in order, confirming and ending", total=2 * conversations)
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
-                open_endpoints = sum(node.scalar(OPEN_ENDPOINTS) for node in nodes)
+                open_endpoints = sum(node.read(queries.open_endpoints) for node in nodes)
                 progress.update(closing, completed=2 * conversations - open_endpoints)
                 if open_endpoints == 0:
                     break
@@ -179,7 +177,7 @@ def run_demo(folder: Path, console: Console, *, conversations: int, messages: in
             engine = create_engine(server.url(), pool_size=6)
             cleanup.callback(engine.dispose)
             with engine.connect() as c:
-                instance = str(c.execute(text("SELECT broker_instance FROM broker.node")).scalar_one())
+                instance = queries.broker_instance(c)
             nodes.append(DemoNode(name, server.url(), free_port(), engine, instance))
         a, b = nodes
         secret = secrets.token_urlsafe(24)
@@ -196,7 +194,7 @@ def run_demo(folder: Path, console: Console, *, conversations: int, messages: in
 
         started = time.monotonic()
         kills = _send_orders(a, b, conversations, messages, log, console)
-        _wait_for(lambda: all(node.scalar(WAITING_TO_TRANSMIT) == 0 for node in nodes), 120,
+        _wait_for(lambda: all(node.read(queries.waiting_to_transmit) == 0 for node in nodes), 120,
                   "the transmission queues to drain")
         relayed_s = time.monotonic() - started
         ingested = _ingest(nodes, folder / "lake", console)
@@ -207,7 +205,7 @@ def run_demo(folder: Path, console: Console, *, conversations: int, messages: in
         for node in nodes:
             with node.engine.connect() as c:
                 stored[node.name] = c.execute(COUNT_STORED).one()
-                open_endpoints[node.name] = c.execute(OPEN_ENDPOINTS).scalar_one()
+                open_endpoints[node.name] = queries.open_endpoints(c)
         rows = [
             ("order lines sent", arriving, arriving),
             ("stored by the warehouse", {n: stored[n][0] for n in "ab"}, arriving),

@@ -12,35 +12,11 @@ from dataclasses import dataclass
 from itertools import groupby
 
 import httpx
-from pydantic import BaseModel, ValidationError
-from sqlalchemy import Connection, text
+from pydantic import ValidationError
+from sqlalchemy import Connection
 
-from broker import signing, wire
-
-SCHEMA_VERSION = text("SELECT version_num FROM public.broker_alembic_version")
-OUR_INSTANCE = text("SELECT broker_instance FROM broker.node")
-QUEUES = text("SELECT queue_name, status, dead_letters FROM broker.queue_status ORDER BY queue_name")
-UNROUTED_SERVICES = text(
-    "SELECT t.to_service, count(*) AS messages FROM broker.transmission_queue t"
-    " WHERE NOT EXISTS (SELECT 1 FROM broker.routes r WHERE r.service_name = t.to_service)"
-    " GROUP BY t.to_service ORDER BY t.to_service")
-ROUTES = text("SELECT service_name, address, broker_instance, peer_secret FROM broker.routes"
-              " ORDER BY address, broker_instance, peer_secret, service_name")
-# Contracts as both nodes describe them: message type -> who sends it and its validation.
-CONTRACTS = text(
-    "SELECT c.name, jsonb_object_agg(mt.name, jsonb_build_object('sent_by', cmt.sent_by,"
-    " 'validation', mt.validation)) AS message_types"
-    " FROM broker.contracts c JOIN broker.contract_message_types cmt USING (contract_id)"
-    " JOIN broker.message_types mt USING (message_type_id) GROUP BY c.name")
-CONTRACTS_IN_USE = text(
-    "SELECT DISTINCT far_service, contract_name FROM broker.conversation_endpoints"
-    " WHERE NOT far_is_local AND state <> 'closed'")
-FAILING_DESTINATIONS = text(
-    "SELECT r.address, count(*) AS messages, max(t.attempts) AS attempts,"
-    " (array_agg(t.transmission_status ORDER BY t.attempts DESC))[1] AS status"
-    " FROM broker.transmission_queue t JOIN broker.routes r ON r.service_name = t.to_service"
-    " WHERE t.attempts > 0 GROUP BY r.address ORDER BY r.address")
-
+from broker import queries
+from broker.transport import describe, signing, wire
 
 # A destination that has refused this many attempts in a row keeps refusing: an error, not a passing failure.
 REFUSING_ATTEMPTS = 3
@@ -63,19 +39,6 @@ REFUSAL_ADVICE = [
 def refusal_advice(status: str) -> str:
     return next((advice for words, advice in REFUSAL_ADVICE if words in status),
                 "see the checks of that node's routes below")
-
-
-class OfferedService(BaseModel):
-    queue: str
-    queue_enabled: bool
-    contracts: list[str]
-
-
-class Description(BaseModel):
-    """What a peer's describe endpoint answers: checked before any of it is used."""
-    services: dict[str, OfferedService]
-    contracts: dict[str, dict]
-    routes_to_you: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,23 +64,23 @@ def _ok(check: str, finding: str) -> Finding:
 
 def _local_findings(connection: Connection, schema_head: str) -> list[Finding]:
     findings = []
-    version = connection.execute(SCHEMA_VERSION).scalar()
+    version = queries.schema_revision(connection)
     findings.append(_ok("schema", f"at revision {version}") if version == schema_head else Finding(
         "error", "schema", f"the database is at revision {version}, this version needs {schema_head}",
         "run 'broker migrate'"))
-    for queue in connection.execute(QUEUES):
+    for queue in queries.queue_statuses(connection):
         if queue.status != "enabled":
             findings.append(Finding(
                 "error", f"queue {queue.queue_name}", f"disabled ({queue.dead_letters} dead letters)",
                 f"look at broker.dead_letters, then SELECT broker.alter_queue('{queue.queue_name}', status => true)"))
         else:
             findings.append(_ok(f"queue {queue.queue_name}", "enabled"))
-    for service in connection.execute(UNROUTED_SERVICES):
+    for service in queries.unrouted_services(connection):
         findings.append(Finding(
             "error", f"service {service.to_service}", f"{service.messages} messages wait for it, and it has no route",
             f"SELECT broker.create_route('{service.to_service}', '<address of its node>', "
             "'<that node's broker_instance>', '<the secret you share with it>')"))
-    for destination in connection.execute(FAILING_DESTINATIONS):
+    for destination in queries.failing_destinations(connection):
         findings.append(Finding(
             # a message refused as too large on its own never goes until a limit changes, nor a batch in another
             # wire version until a node is upgraded
@@ -127,15 +90,6 @@ def _local_findings(connection: Connection, schema_head: str) -> list[Finding]:
             f"{destination.messages} messages waiting, up to {destination.attempts} attempts: {destination.status}",
             refusal_advice(destination.status)))
     return findings
-
-
-def _describe(client: httpx.Client, address: str, instance: str, destination: str, secret: str,
-              services: list[str], contracts: list[str]) -> httpx.Response:
-    body = json.dumps({"services": services, "contracts": contracts}).encode()
-    purpose = signing.request_purpose("POST", signing.DESCRIBE_PATH, wire.JSON_MEDIA_TYPE, destination)
-    return client.post(f"{address}{signing.DESCRIBE_PATH}", content=body,
-                       headers={"Content-Type": wire.JSON_MEDIA_TYPE,
-                                **signing.signed_headers(secret, instance, purpose, body)})
 
 
 def _peer_findings(client: httpx.Client, address: str, route_instance: str, secret: str, services: list[str],
@@ -161,7 +115,7 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
         return [Finding("error", check, f"{speaks}, this node wire version {wire.WIRE_VERSION}: each refuses the "
                         "other's batches", WIRE_ADVICE)]
 
-    answer = _describe(client, address, our_instance, route_instance, secret, services, sorted(our_contracts))
+    answer = describe.ask(client, address, our_instance, route_instance, secret, services, sorted(our_contracts))
     if answer.status_code == 401:
         detail = str(_member(answer, "detail") or "")
         return [Finding("error", check, f"refuses our signature: {detail}",
@@ -172,10 +126,8 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
         return [Finding("error", check, f"answers {answer.status_code} to a signed request: {answer.text[:200]}",
                         "upgrade that node to this version")]
     try:
-        signing.matching_secret([secret], answer.headers.get(signing.TIMESTAMP_HEADER),
-                                answer.headers.get(signing.SIGNATURE_HEADER),
-                                signing.answer_purpose(answer.request.headers[signing.SIGNATURE_HEADER]),
-                                answer.content)
+        signing.check_answer(secret, answer.headers, answer.request.headers[signing.SIGNATURE_HEADER],
+                             answer.content)
     except signing.BadSignature as refusal:
         return [Finding("error", check, f"its answer is not signed with our shared secret: {refusal}",
                         "use the same secret in the routes on both nodes")]
@@ -185,7 +137,7 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
                 Finding("warning", check, f"its clock is {skew:.0f} s from ours (at most {signing.MAX_CLOCK_SKEW_S} s "
                         "are accepted)", "keep the clocks in sync (NTP)")]
     try:
-        described = Description.model_validate_json(answer.content)
+        described = describe.Description.model_validate_json(answer.content)
     except ValidationError as error:
         return findings + [Finding("error", check, f"its description of itself is malformed ({error.error_count()} "
                                    "problems)", "upgrade that node to this version")]
@@ -222,14 +174,11 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
 
 def diagnose(connection: Connection, client: httpx.Client, schema_head: str) -> list[Finding]:
     findings = _local_findings(connection, schema_head)
-    our_instance = str(connection.execute(OUR_INSTANCE).scalar_one())
-    our_contracts = dict(connection.execute(CONTRACTS).all())
-    contracts_in_use: dict[str, set[str]] = {}
-    for row in connection.execute(CONTRACTS_IN_USE):
-        contracts_in_use.setdefault(row.far_service, set()).add(row.contract_name)
-    routes = connection.execute(ROUTES).all()
-    for (address, instance, secret), group in groupby(routes, key=lambda r: (r.address, r.broker_instance,
-                                                                           r.peer_secret)):
+    our_instance = queries.broker_instance(connection)
+    our_contracts = queries.contracts(connection)
+    contracts_in_use = queries.contracts_in_use_by_remote_service(connection)
+    for (address, instance, secret), group in groupby(queries.routes_with_secrets(connection),
+                                                      key=lambda r: (r.address, r.broker_instance, r.peer_secret)):
         services = [route.service_name for route in group]
         findings += _peer_findings(client, address, str(instance), secret, services, our_instance, our_contracts,
                                    contracts_in_use)

@@ -3,7 +3,9 @@ from the database at each scrape."""
 from prometheus_client import Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
+
+from broker import queries
 
 disable_created_metrics()  # no *_created series beside each counter
 
@@ -17,15 +19,6 @@ RELAY_BATCH_SECONDS = Histogram("broker_relay_batch_seconds",
 API_RECEIVED = Counter("broker_api_messages_received", "Messages handed out under a lock by the REST API", ["queue"])
 API_COMPLETED = Counter("broker_api_messages_completed", "Messages consumed by completing a lock", ["queue"])
 API_ABANDONED = Counter("broker_api_locks_abandoned", "Locks abandoned by REST readers", ["queue"])
-
-QUEUES = text("SELECT queue_name, depth, extract(epoch FROM oldest_message_age) AS oldest_s, dead_letters,"
-              " readers FROM broker.queue_status")
-DESTINATIONS = text(
-    "SELECT coalesce(r.address, t.to_service) AS destination, count(*) AS messages,"
-    " extract(epoch FROM now() - min(t.enqueued_at)) AS oldest_s"
-    " FROM broker.transmission_queue t LEFT JOIN broker.routes r ON r.service_name = t.to_service"
-    " GROUP BY 1")
-
 
 class DatabaseCollector(Collector):
     """Queue depths and ages, and the transmission queue per destination, read at scrape time."""
@@ -46,12 +39,12 @@ class DatabaseCollector(Collector):
                                         "Age of the oldest unacknowledged message per destination",
                                         labels=["destination"])
         with self.engine.connect() as connection:
-            for row in connection.execute(QUEUES):
+            for row in queries.queue_statuses(connection):
                 depth.add_metric([row.queue_name], row.depth)
-                oldest.add_metric([row.queue_name], float(row.oldest_s or 0))
+                oldest.add_metric([row.queue_name], row.oldest_message_age_s or 0.0)
                 dead.add_metric([row.queue_name], row.dead_letters)
                 readers.add_metric([row.queue_name], row.readers)
-            for row in connection.execute(DESTINATIONS):
+            for row in queries.transmission_by_destination(connection):
                 waiting.add_metric([row.destination], row.messages)
-                waiting_age.add_metric([row.destination], float(row.oldest_s))
+                waiting_age.add_metric([row.destination], row.oldest_message_age_s)
         yield from (depth, oldest, dead, readers, waiting, waiting_age)

@@ -14,7 +14,7 @@ for another to take over.
 A batch travels as PostgreSQL's binary COPY format of broker.transport_message
 rows: the sending database writes it and the receiving one reads it, with no
 per-message work in Python on either side.  It is sent as the media type of this
-node's wire version (broker.wire); a destination of another version refuses it
+node's wire version (broker.transport.wire); a destination of another version refuses it
 (415), and the messages wait, retried with backoff, until one node is upgraded.
 """
 import io
@@ -31,9 +31,11 @@ import psycopg2
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DataError, DBAPIError
 
-from broker import signing, timers, wire
-from broker.sessions import with_temporary_table
+from broker import queries, timers
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILURES, RELAY_SENT
+from broker.sessions import with_temporary_table
+from broker.transport import wire
+from broker.transport.sending import BatchTooLarge, TransportFailure, post_batch
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,6 @@ DESTINATIONS_REFRESH_S = 1.0
 # quiet node the relay does it now and then, so none outstays its retention.
 FORGET_EVERY_S = 60.0
 
-DESTINATIONS = text("SELECT address, broker_instance, min(peer_secret) AS peer_secret FROM broker.routes"
-                    " GROUP BY address, broker_instance ORDER BY address")
-OUR_INSTANCE = text("SELECT broker_instance FROM broker.node")
 NEXT_BATCH = ("COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s,"
               " %(first)s, %(last)s)) TO STDOUT (FORMAT binary)")
 # The batch a lane sent, for one transaction, beside the answer that is applied to it.
@@ -59,28 +58,8 @@ APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, :last, :reason, :retry_after)")
 LOCK_LANE = text("SELECT pg_try_advisory_lock(1651663724, hashtext(:address || ' lane ' || :lane))")
 FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
-ENDPOINT_HANDLE = text("SELECT conversation_handle FROM broker.endpoints"
-                       " WHERE conversation_id = :conversation_id AND is_initiator = :is_initiator")
 # A message that a destination refuses as too large on its own is tried again this often (its limit may be raised).
 OVERSIZED_RETRY_S = 60.0
-
-
-class TransportFailure(Exception):
-    """A destination did not take a batch; the message says why, in words for transmission_status."""
-
-
-class BatchTooLarge(TransportFailure):
-    """The destination refused a batch as larger than it accepts; limit_bytes is its limit, when it said."""
-
-    def __init__(self, reason: str, limit_bytes: int | None):
-        super().__init__(reason)
-        self.limit_bytes = limit_bytes
-
-
-def first_conversation(batch: bytes) -> tuple[uuid.UUID, bool]:
-    """The conversation id and sender_is_initiator of a batch's first row.  Binary COPY: a 19-byte header,
-    then per row a 2-byte field count and each field as a 4-byte length and its bytes (a uuid has 16)."""
-    return uuid.UUID(bytes=batch[25:41]), batch[45] == 1
 
 
 def smaller_batch_bytes(refused_bytes: int, limit_bytes: int | None) -> int:
@@ -106,24 +85,6 @@ def lane_digits(lane: int, lanes: int) -> set[str]:
     """The first hex digits of the handles in a lane: a new message's notification carries its handle's."""
     first, last = lane_bounds(lane, lanes)
     return {f"{digit:x}" for digit in range(16) if digit << 124 <= last and first <= (digit + 1 << 124) - 1}
-
-
-def _limit_bytes(response: httpx.Response) -> int | None:
-    """The limit a 413 problem names (its limit_bytes member), if it names a sane one."""
-    try:
-        limit = response.json().get("limit_bytes")
-    except (ValueError, AttributeError):
-        return None
-    return limit if isinstance(limit, int) and limit > 0 else None
-
-
-def _wire_version(response: httpx.Response) -> int | None:
-    """The wire version a 415 problem says the destination takes (its wire_version member), if it names one."""
-    try:
-        version = response.json().get("wire_version")
-    except (ValueError, AttributeError):
-        return None
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 class Relay:
@@ -246,8 +207,8 @@ class Lane:
             connection.commit()
             self.forget_at = time.monotonic() + FORGET_EVERY_S
         if time.monotonic() >= self.destinations_at:
-            self.instance = str(connection.execute(OUR_INSTANCE).scalar_one())
-            self.destinations = connection.execute(DESTINATIONS).all()
+            self.instance = queries.broker_instance(connection)
+            self.destinations = queries.destinations(connection)
             connection.commit()
             self.destinations_at = time.monotonic() + DESTINATIONS_REFRESH_S
         idle_s = IDLE_WAKE_S
@@ -279,7 +240,7 @@ class Lane:
             started = time.monotonic()
             RELAY_SENT.labels(address).inc(messages)
             try:
-                delivered = self._apply_answer(destination, batch, self._post(destination, batch))
+                delivered = self._apply_answer(destination, batch, post_batch(self.client, destination, self.instance, batch))
             except BatchTooLarge as refusal:
                 RELAY_FAILURES.labels(address).inc()
                 self._refused_as_too_large(address, refusal, batch, messages)
@@ -306,44 +267,6 @@ class Lane:
             messages = cursor.rowcount
         return batch.getvalue(), messages
 
-    def _post(self, destination, body: bytes) -> str:
-        """Sends a batch; returns the destination's answer to it, as JSON text, once it is signed by the
-        destination as the answer to this very request."""
-        purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.BATCH_MEDIA_TYPE,
-                                          str(destination.broker_instance))
-        signed = signing.signed_headers(destination.peer_secret, self.instance, purpose, body)
-        try:
-            response = self.client.post(f"{destination.address}{signing.BATCHES_PATH}", content=body,
-                                        headers={"Content-Type": wire.BATCH_MEDIA_TYPE, **signed})
-        except httpx.HTTPError as error:
-            raise TransportFailure(f"cannot reach {destination.address}: {type(error).__name__}: {error}") from error
-        if response.status_code == 413:
-            raise BatchTooLarge(f"{destination.address} answered HTTP 413: a batch of {len(body)} bytes is over its limit",
-                                _limit_bytes(response))
-        if response.status_code == 415:
-            theirs = _wire_version(response)
-            takes = f"wire version {theirs}" if theirs else "a wire version it does not name"
-            raise TransportFailure(f"{destination.address} speaks another wire version (HTTP 415): it takes {takes}, "
-                                   f"this node sends wire version {wire.WIRE_VERSION}")
-        if response.status_code != 200:
-            detail = response.text[:300] if "json" in response.headers.get("content-type", "") else ""
-            raise TransportFailure(f"{destination.address} answered HTTP {response.status_code} {detail}".strip())
-        try:
-            signing.matching_secret([destination.peer_secret], response.headers.get(signing.TIMESTAMP_HEADER),
-                                    response.headers.get(signing.SIGNATURE_HEADER),
-                                    signing.answer_purpose(signed[signing.SIGNATURE_HEADER]), response.content)
-        except signing.BadSignature as error:
-            raise TransportFailure(f"the answer from {destination.address} is not signed by the peer as the answer "
-                                   f"to this batch: {error}") from error
-        try:
-            instance = response.json()["broker_instance"]
-        except (ValueError, TypeError, KeyError):
-            raise TransportFailure(f"{destination.address} answered something other than a transport answer") from None
-        if instance != str(destination.broker_instance):
-            raise TransportFailure(f"{destination.address} is broker instance {instance}, "
-                                   f"the route expects {destination.broker_instance}")
-        return response.text
-
     def _apply_answer(self, destination, batch: bytes, answer: str) -> int:
         """Applies the destination's answer to the batch it answers, in one transaction; returns how many
         messages it acknowledged.  The batch goes into a temporary table by COPY, so that the answer settles
@@ -365,9 +288,7 @@ class Lane:
             log.warning("%s refused a batch of %d messages and %d bytes as too large; sending at most %d bytes "
                         "a batch", address, messages, len(batch), self.learned_batch_bytes[address])
             return
-        conversation_id, is_initiator = first_conversation(batch)
-        handle = self.connection.execute(ENDPOINT_HANDLE, {"conversation_id": conversation_id,
-                                                          "is_initiator": is_initiator}).scalar_one()
+        handle = queries.endpoint_handle(self.connection, *wire.first_conversation(batch))
         limit = f" of {refusal.limit_bytes} bytes" if refusal.limit_bytes else ""
         reason = (f"{address} answered HTTP 413: the message alone is {len(batch)} bytes in a batch, over that "
                   f"node's limit{limit}")

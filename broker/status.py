@@ -2,46 +2,20 @@
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
-QUEUES = text(
-    "SELECT queue_name, status, depth, extract(epoch FROM oldest_message_age)::float8 AS oldest_message_age_s, readers,"
-    " dead_letters, retention, poison_threshold"
-    " FROM broker.queue_status ORDER BY queue_name")
-CONVERSATIONS = text(
-    "SELECT service_name, state, endpoints, oldest_created_at, without_lifetime"
-    " FROM broker.endpoint_counts ORDER BY service_name, state")
-# One row per destination node: how much waits for it, since when, and why (the
-# status of the message that has waited longest).
-TRANSMISSION = text(
-    "SELECT coalesce(r.address, '(no route)') AS destination, count(*) AS messages,"
-    " count(DISTINCT t.conversation_handle) AS conversations,"
-    " extract(epoch FROM now() - min(t.enqueued_at))::float8 AS oldest_message_age_s, max(t.attempts) AS attempts,"
-    " min(t.next_attempt_at) AS next_attempt_at,"
-    " (array_agg(t.transmission_status ORDER BY t.enqueued_at))[1] AS status"
-    " FROM broker.transmission_queue t LEFT JOIN broker.routes r ON r.service_name = t.to_service"
-    " GROUP BY r.address ORDER BY destination")
-INGESTS = text(
-    "SELECT queue_name, output, queue_position, last_run, rows_ingested, runs, updated_at"
-    " FROM broker.ingests ORDER BY queue_name, output")
-DEAD_LETTERS = text(
-    "SELECT queue_name, conversation_id, message_sequence_number, message_type, reason, dead_lettered_at"
-    " FROM broker.dead_letters ORDER BY dead_letter_id DESC LIMIT :limit")
-
-
-def _rows(connection: Connection, query, **params: Any) -> list[dict[str, Any]]:
-    return [dict(row._mapping) for row in connection.execute(query, params)]
+from broker import queries
 
 
 def node_status(connection: Connection, dead_letters: int = 20) -> dict[str, list[dict[str, Any]]]:
     """Queues, conversations by service and state, the transmission queue by destination,
     ingests, and the latest dead letters."""
     return {
-        "queues": _rows(connection, QUEUES),
-        "conversations": _rows(connection, CONVERSATIONS),
-        "transmission_queue": _rows(connection, TRANSMISSION),
-        "ingests": _rows(connection, INGESTS),
-        "dead_letters": _rows(connection, DEAD_LETTERS, limit=dead_letters),
+        "queues": queries.as_dicts(queries.queue_statuses(connection)),
+        "conversations": queries.as_dicts(queries.conversation_counts(connection)),
+        "transmission_queue": queries.as_dicts(queries.transmission_by_destination(connection)),
+        "ingests": queries.as_dicts(queries.ingests(connection)),
+        "dead_letters": queries.as_dicts(queries.latest_dead_letters(connection, dead_letters)),
     }
 
 

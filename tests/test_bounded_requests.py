@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import text
 
 import broker
-from broker import signing
+from broker.transport import signing
 from tests.factories import WAREHOUSE_QUEUE, begin
 from tests.nodes import Node
 from tests.rest import new_key

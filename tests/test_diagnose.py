@@ -10,7 +10,7 @@ import pytest
 import uvicorn
 
 import broker
-from broker import signing, wire
+from broker.transport import signing, wire
 from tests.nodes import SECRET, free_port, wait_for
 
 

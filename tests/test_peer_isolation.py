@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 import broker
-from broker import signing, wire
+from broker.transport import signing, wire
 from tests.conftest import _fresh_database
 from tests.nodes import SECRET, Node, define_node, wait_for
 from tests.test_transport import _encode

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import text
 
 import broker
-from broker import api_keys, migrate
+from broker import migrate, queries
 from tests import factories
 from tests.rest import ApiServer, new_key
 
@@ -245,7 +245,7 @@ def test_keys_are_checked_on_every_route(api, engine, admin):
               ("get", "/metrics", None)]
     revoked = new_key(engine, "admin")
     with engine.begin() as connection:
-        api_keys.revoke(connection, revoked.split("_")[1])
+        queries.revoke_api_key(connection, revoked.split("_")[1])
     forged = revoked[:-4] + "AAAA"
     for presented in (None, "not-a-key", forged, revoked):
         with api.client(presented) as client:

@@ -12,7 +12,7 @@ import psycopg2.extras
 from sqlalchemy import text
 
 import broker
-from broker import signing, wire
+from broker.transport import signing, wire
 from tests.nodes import SECRET, two_nodes, wait_for
 
 

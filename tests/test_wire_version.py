@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 import broker
-from broker import signing, wire
+from broker.transport import signing, wire
 from tests.nodes import SECRET, wait_for
 from tests.test_bounded_requests import MIB, _headers_only
 from tests.test_diagnose import _diagnose

@@ -5,19 +5,17 @@ from uuid import UUID
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
 import broker
 from api import bodies
 from api.auth import api_key, require
 from api.problems import KEYED, READS_BODY, Problem, error_responses
 from api.types import Name, Text, integer
+from broker import queries
 from broker.api_keys import ApiKey
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=error_responses(*KEYED))
-
-ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
-
 
 class BeginConversation(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
@@ -80,7 +78,7 @@ class EndConversation(BaseModel):
 
 
 def _endpoint(connection: Connection, handle: UUID):
-    endpoint = connection.execute(ENDPOINT, {"handle": handle}).first()
+    endpoint = queries.endpoint(connection, handle)
     if endpoint is None:
         raise Problem(404, "unknown-object", "No such object", f"unknown conversation {handle}")
     return endpoint

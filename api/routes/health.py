@@ -9,18 +9,15 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel, Field
-from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from api.auth import api_key, require
 from api.problems import KEYED, error_responses, problem
-from broker import wire
+from broker import queries
+from broker.transport import wire
 from broker.api_keys import ApiKey
 
 router = APIRouter(tags=["operations"])
-
-SCHEMA_VERSION = text("SELECT version_num FROM public.broker_alembic_version")
-
 
 class Health(BaseModel):
     status: str = Field(examples=["ok"])
@@ -44,7 +41,7 @@ def readyz(request: Request) -> Readiness | Response:
     head = request.app.state.schema_head
     try:
         with request.app.state.engine.connect() as connection:
-            version = connection.execute(SCHEMA_VERSION).scalar()
+            version = queries.schema_revision(connection)
     except DBAPIError as error:
         return problem(503, "not-ready", "The database is unreachable", str(error.orig).strip()[:300])
     if version != head:

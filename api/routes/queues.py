@@ -16,23 +16,17 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import text
 
 import broker
 from api import bodies
 from api.auth import api_key, require
 from api.problems import KEYED, READS_BODY, Problem, error_responses
 from api.types import NamePath, Number, integer
+from broker import queries
 from broker.api_keys import ApiKey
 from broker.metrics import API_ABANDONED, API_COMPLETED, API_RECEIVED
 
 router = APIRouter(tags=["queues"], responses=error_responses(*KEYED))
-
-QUEUE_ID = text("SELECT queue_id FROM broker.queues WHERE name = :queue")
-QUEUE_OF_LOCK = text("SELECT q.name FROM broker.leases l JOIN broker.queues q USING (queue_id)"
-                     " WHERE l.lock_token = :token")
-ALL_QUEUES = text("SELECT * FROM broker.queue_status ORDER BY queue_name")
-ONE_QUEUE = text("SELECT * FROM broker.queue_status WHERE queue_name = :queue")
 
 # A waiting reader looks again at least this often, for locks that expire and
 # timers that fall due: neither sends a notification.
@@ -92,11 +86,6 @@ class QueueStatus(BaseModel):
     dead_letters: int
 
 
-def _queue_status(row) -> QueueStatus:
-    age = row.oldest_message_age
-    return QueueStatus(**{**row._mapping, "oldest_message_age_s": age.total_seconds() if age else None})
-
-
 def _lease(engine, queue: str, options: ReceiveRequest) -> list[broker.LockedMessage]:
     with engine.begin() as connection:
         return broker.receive_with_lock(connection, queue, options.max_messages, timedelta(seconds=options.lock_s),
@@ -105,7 +94,7 @@ def _lease(engine, queue: str, options: ReceiveRequest) -> list[broker.LockedMes
 
 def _queue_id(engine, queue: str) -> int:
     with engine.connect() as connection:
-        return connection.execute(QUEUE_ID, {"queue": queue}).scalar()
+        return queries.queue_id(connection, queue)
 
 
 @router.post("/v1/queues/{queue}/receive", response_model=Received, summary="Receive with peek-lock",
@@ -167,7 +156,7 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
 def _locked_queue(connection, key: ApiKey, lock_token: UUID) -> str | None:
     """The queue of a held lock, once the key may receive from it; None for a lock not held (the
     broker's call then refuses it as lost)."""
-    queue = connection.execute(QUEUE_OF_LOCK, {"token": lock_token}).scalar()
+    queue = queries.queue_of_lock(connection, lock_token)
     if queue is not None:
         require(key, f"receive:{queue}")
     return queue
@@ -197,7 +186,7 @@ def abandon_lock(lock_token: UUID, request: Request, key: ApiKey = Depends(api_k
 def list_queues(request: Request, key: ApiKey = Depends(api_key)) -> list[QueueStatus]:
     require(key, "admin")
     with request.app.state.engine.connect() as connection:
-        return [_queue_status(row) for row in connection.execute(ALL_QUEUES)]
+        return [QueueStatus(**row._mapping) for row in queries.queue_statuses(connection)]
 
 
 @router.get("/v1/queues/{queue}", response_model=QueueStatus, summary="Status of one queue",
@@ -205,7 +194,7 @@ def list_queues(request: Request, key: ApiKey = Depends(api_key)) -> list[QueueS
 def get_queue_status(queue: NamePath, request: Request, key: ApiKey = Depends(api_key)) -> QueueStatus:
     require(key, f"receive:{queue}")
     with request.app.state.engine.connect() as connection:
-        row = connection.execute(ONE_QUEUE, {"queue": queue}).first()
+        row = next(iter(queries.queue_statuses(connection, queue)), None)
     if row is None:
         raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
-    return _queue_status(row)
+    return QueueStatus(**row._mapping)

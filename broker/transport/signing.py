@@ -2,7 +2,7 @@
 is for, and the body.
 
 A request is signed for its method, its endpoint, the media type of its body (for a batch, the
-wire version: see broker.wire) and the broker_instance of the node it goes to, so a request
+wire version: see broker.transport.wire) and the broker_instance of the node it goes to, so a request
 captured on its way to one node is worth nothing at another node that shares the secret, or at
 another endpoint, and its body cannot be passed off as another format.  An answer is signed as
 the answer to one request (its signature), so an answer cannot be passed off for another
@@ -44,6 +44,11 @@ def signed_headers(secret: str, instance: str, purpose: str, body: bytes) -> dic
             SIGNATURE_HEADER: signature(secret, timestamp, purpose, body)}
 
 
+def answer_headers(secret: str, instance: str, request_signature: str, answer: bytes) -> dict[str, str]:
+    """The headers that sign an answer as the answer to the request of that signature."""
+    return signed_headers(secret, instance, answer_purpose(request_signature), answer)
+
+
 class BadSignature(Exception):
     """Why a request or answer was not accepted as signed by a known peer."""
 
@@ -68,3 +73,10 @@ def matching_secret(secrets: list[str], timestamp: str | None, given: str | None
         if hmac.compare_digest(signature(secret, timestamp, purpose, body).encode(), given.encode()):
             return secret
     raise BadSignature("the signature does not match any secret shared with this node")
+
+
+def check_answer(secret: str, headers, request_signature: str, answer: bytes) -> None:
+    """Raises BadSignature unless the answer is signed, fresh, with the secret, as the answer to the request of
+    that signature."""
+    matching_secret([secret], headers.get(TIMESTAMP_HEADER), headers.get(SIGNATURE_HEADER),
+                    answer_purpose(request_signature), answer)

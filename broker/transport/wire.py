@@ -4,9 +4,11 @@ Version 1 was JSON (sent as application/json); version 2 is PostgreSQL's binary 
 broker.transport_message rows, sent as BATCH_MEDIA_TYPE.  A node takes batches of its own wire
 version only and refuses any other from the request's headers (415, naming both versions), so two
 nodes of different versions never read each other's batches as something they are not.  A request
-is signed for its media type as well (broker.signing), so a batch cannot be passed off as another
+is signed for its media type as well (broker.transport.signing), so a batch cannot be passed off as another
 format.  /healthz names the version, for `broker diagnose` on a peer.
 """
+import uuid
+
 WIRE_VERSION = 2
 BATCH_TYPE = "application/vnd.pg-broker.batch"
 BATCH_MEDIA_TYPE = f"{BATCH_TYPE}; version={WIRE_VERSION}"
@@ -41,3 +43,9 @@ def sent_as(content_type: str | None) -> str:
     version = version_of(content_type)
     named = f"wire version {version}" if version else "no wire version"
     return f"{content_type[:100]!r} ({named})"
+
+
+def first_conversation(batch: bytes) -> tuple[uuid.UUID, bool]:
+    """The conversation id and sender_is_initiator of a batch's first row.  Binary COPY: a 19-byte header,
+    then per row a 2-byte field count and each field as a 4-byte length and its bytes (a uuid has 16)."""
+    return uuid.UUID(bytes=batch[25:41]), batch[45] == 1

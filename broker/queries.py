@@ -1,0 +1,268 @@
+"""Every read and write the Python side makes directly on the broker's tables and views, one named
+function each, so that the SQL a module depends on is found in one place.
+
+The SQL API (broker.send, broker.receive, …) is called through broker.core; what is here are the
+lookups around it: the node itself, routes and peers, the catalog as it is described, queues,
+the transmission queue, API keys and what `broker status` shows.
+"""
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import Connection, Row, text
+
+# --- The node -----------------------------------------------------------------------------------
+
+BROKER_INSTANCE = text("SELECT broker_instance FROM broker.node")
+SCHEMA_REVISION = text("SELECT version_num FROM public.broker_alembic_version")
+
+
+def broker_instance(connection: Connection) -> str:
+    """This node's broker_instance: what a peer's routes to it name."""
+    return str(connection.execute(BROKER_INSTANCE).scalar_one())
+
+
+def schema_revision(connection: Connection) -> str | None:
+    return connection.execute(SCHEMA_REVISION).scalar()
+
+
+# --- Routes and peers ---------------------------------------------------------------------------
+
+ROUTES = text("SELECT service_name, address, broker_instance, created_at FROM broker.routes ORDER BY service_name")
+ROUTES_WITH_SECRETS = text(
+    "SELECT service_name, address, broker_instance, peer_secret FROM broker.routes"
+    " ORDER BY address, broker_instance, peer_secret, service_name")
+DESTINATIONS = text(
+    "SELECT address, broker_instance, min(peer_secret) AS peer_secret FROM broker.routes"
+    " GROUP BY address, broker_instance ORDER BY address")
+PEER_IS_ROUTED = text("SELECT EXISTS (SELECT FROM broker.routes WHERE broker_instance = :instance)")
+SECRETS_OF_PEER = text("SELECT DISTINCT peer_secret FROM broker.routes WHERE broker_instance = :instance")
+SERVICES_ROUTED_TO = text("SELECT service_name FROM broker.routes WHERE broker_instance = :instance ORDER BY 1")
+
+
+def routes(connection: Connection) -> list[Row]:
+    """Every route, without its secret: for showing."""
+    return connection.execute(ROUTES).all()
+
+
+def routes_with_secrets(connection: Connection) -> list[Row]:
+    """Every route with its secret, grouped by peer (address, broker_instance, secret)."""
+    return connection.execute(ROUTES_WITH_SECRETS).all()
+
+
+def destinations(connection: Connection) -> list[Row]:
+    """One row per destination node the relay sends to: its address, broker_instance and a secret."""
+    return connection.execute(DESTINATIONS).all()
+
+
+def is_routed_peer(connection: Connection, instance: str) -> bool:
+    """Whether this node routes any service to the node of that broker_instance."""
+    return connection.execute(PEER_IS_ROUTED, {"instance": instance}).scalar_one()
+
+
+def secrets_of_peer(connection: Connection, instance: str) -> list[str]:
+    """The secrets this node shares with the node of that broker_instance."""
+    return list(connection.execute(SECRETS_OF_PEER, {"instance": instance}).scalars())
+
+
+def services_routed_to(connection: Connection, instance: str) -> list[str]:
+    return list(connection.execute(SERVICES_ROUTED_TO, {"instance": instance}).scalars())
+
+
+# --- The catalog --------------------------------------------------------------------------------
+
+MESSAGE_TYPES = text("SELECT name, validation FROM broker.message_types ORDER BY name")
+# A contract as two nodes compare it: each message type, who sends it and its validation.
+CONTRACTS = text(
+    "SELECT c.name, coalesce(jsonb_object_agg(mt.name, jsonb_build_object('sent_by', cmt.sent_by,"
+    " 'validation', mt.validation)) FILTER (WHERE mt.name IS NOT NULL), '{}') AS message_types"
+    " FROM broker.contracts c"
+    " LEFT JOIN broker.contract_message_types cmt USING (contract_id)"
+    " LEFT JOIN broker.message_types mt USING (message_type_id)"
+    " WHERE CAST(:names AS text[]) IS NULL OR c.name = ANY(CAST(:names AS text[]))"
+    " GROUP BY c.name ORDER BY c.name")
+SERVICES = text(
+    "SELECT s.name, q.name AS queue, q.is_enabled AS queue_enabled,"
+    " coalesce(array_agg(c.name ORDER BY c.name) FILTER (WHERE c.name IS NOT NULL), '{}') AS contracts"
+    " FROM broker.services s JOIN broker.queues q USING (queue_id)"
+    " LEFT JOIN broker.service_contracts sc USING (service_id)"
+    " LEFT JOIN broker.contracts c ON c.contract_id = sc.contract_id"
+    " WHERE CAST(:names AS text[]) IS NULL OR s.name = ANY(CAST(:names AS text[]))"
+    " GROUP BY s.name, q.name, q.is_enabled ORDER BY s.name")
+CONTRACTS_IN_USE = text(
+    "SELECT DISTINCT far_service, contract_name FROM broker.conversation_endpoints"
+    " WHERE NOT far_is_local AND state <> 'closed'")
+
+
+def message_types(connection: Connection) -> list[Row]:
+    return connection.execute(MESSAGE_TYPES).all()
+
+
+def contracts(connection: Connection, names: list[str] | None = None) -> dict[str, dict[str, dict]]:
+    """Contracts (all, or those named) by name: message type -> {"sent_by": …, "validation": …}."""
+    return dict(connection.execute(CONTRACTS, {"names": names}).all())
+
+
+def services(connection: Connection, names: list[str] | None = None) -> list[Row]:
+    """Services (all, or those named): name, queue, queue_enabled and the contracts each accepts."""
+    return connection.execute(SERVICES, {"names": names}).all()
+
+
+def contracts_in_use_by_remote_service(connection: Connection) -> dict[str, set[str]]:
+    """For each remote service with open conversations: the contracts they use."""
+    in_use: dict[str, set[str]] = {}
+    for row in connection.execute(CONTRACTS_IN_USE):
+        in_use.setdefault(row.far_service, set()).add(row.contract_name)
+    return in_use
+
+
+# --- Queues and conversations -------------------------------------------------------------------
+
+QUEUE_STATUS = text(
+    "SELECT queue_name, status, retention, poison_threshold, depth,"
+    " extract(epoch FROM oldest_message_age)::float8 AS oldest_message_age_s, readers, dead_letters"
+    " FROM broker.queue_status WHERE CAST(:queue AS text) IS NULL OR queue_name = :queue ORDER BY queue_name")
+QUEUE_ID = text("SELECT queue_id FROM broker.queues WHERE name = :queue")
+QUEUE_OF_LOCK = text("SELECT q.name FROM broker.leases l JOIN broker.queues q USING (queue_id)"
+                     " WHERE l.lock_token = :token")
+ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
+OPEN_ENDPOINTS = text("SELECT count(*) FROM broker.endpoints WHERE state <> 'closed'")
+ENDPOINT_HANDLE = text("SELECT conversation_handle FROM broker.endpoints"
+                       " WHERE conversation_id = :conversation_id AND is_initiator = :is_initiator")
+
+
+def queue_statuses(connection: Connection, queue: str | None = None) -> list[Row]:
+    """broker.queue_status of every queue (or the one named), with the oldest message's age in seconds."""
+    return connection.execute(QUEUE_STATUS, {"queue": queue}).all()
+
+
+def queue_id(connection: Connection, queue: str) -> int | None:
+    return connection.execute(QUEUE_ID, {"queue": queue}).scalar()
+
+
+def queue_of_lock(connection: Connection, lock_token: UUID) -> str | None:
+    """The queue whose lease the lock token is, while the lease lives."""
+    return connection.execute(QUEUE_OF_LOCK, {"token": lock_token}).scalar()
+
+
+def endpoint(connection: Connection, handle: UUID) -> Row | None:
+    """One side of a conversation, from broker.conversation_endpoints."""
+    return connection.execute(ENDPOINT, {"handle": handle}).first()
+
+
+def open_endpoints(connection: Connection) -> int:
+    return connection.execute(OPEN_ENDPOINTS).scalar_one()
+
+
+def endpoint_handle(connection: Connection, conversation_id: UUID, is_initiator: bool) -> UUID:
+    """The handle of this node's side of a conversation."""
+    return connection.execute(ENDPOINT_HANDLE, {"conversation_id": conversation_id,
+                                                "is_initiator": is_initiator}).scalar_one()
+
+
+# --- The transmission queue ---------------------------------------------------------------------
+
+TRANSMISSION_QUEUE = text(
+    "SELECT * FROM broker.transmission_queue_status ORDER BY enqueued_at, conversation_handle, message_sequence_number"
+    " LIMIT :limit OFFSET :offset")
+# One row per destination node: how much waits for it, since when, and why (the status of the
+# message that has waited longest).
+TRANSMISSION_BY_DESTINATION = text(
+    "SELECT coalesce(r.address, '(no route)') AS destination, count(*) AS messages,"
+    " count(DISTINCT t.conversation_handle) AS conversations,"
+    " extract(epoch FROM now() - min(t.enqueued_at))::float8 AS oldest_message_age_s, max(t.attempts) AS attempts,"
+    " min(t.next_attempt_at) AS next_attempt_at,"
+    " (array_agg(t.transmission_status ORDER BY t.enqueued_at))[1] AS status"
+    " FROM broker.transmission_queue t LEFT JOIN broker.routes r ON r.service_name = t.to_service"
+    " GROUP BY r.address ORDER BY destination")
+UNROUTED_SERVICES = text(
+    "SELECT t.to_service, count(*) AS messages FROM broker.transmission_queue t"
+    " WHERE NOT EXISTS (SELECT 1 FROM broker.routes r WHERE r.service_name = t.to_service)"
+    " GROUP BY t.to_service ORDER BY t.to_service")
+FAILING_DESTINATIONS = text(
+    "SELECT r.address, count(*) AS messages, max(t.attempts) AS attempts,"
+    " (array_agg(t.transmission_status ORDER BY t.attempts DESC))[1] AS status"
+    " FROM broker.transmission_queue t JOIN broker.routes r ON r.service_name = t.to_service"
+    " WHERE t.attempts > 0 GROUP BY r.address ORDER BY r.address")
+WAITING_TO_TRANSMIT = text("SELECT count(*) FROM broker.transmission_queue")
+
+
+def transmission_queue(connection: Connection, limit: int, offset: int) -> list[Row]:
+    """Waiting messages, oldest first, from broker.transmission_queue_status."""
+    return connection.execute(TRANSMISSION_QUEUE, {"limit": limit, "offset": offset}).all()
+
+
+def transmission_by_destination(connection: Connection) -> list[Row]:
+    return connection.execute(TRANSMISSION_BY_DESTINATION).all()
+
+
+def unrouted_services(connection: Connection) -> list[Row]:
+    """Remote services that messages wait for and no route names."""
+    return connection.execute(UNROUTED_SERVICES).all()
+
+
+def failing_destinations(connection: Connection) -> list[Row]:
+    """Destinations with messages that were tried and not acknowledged, and the last failure's words."""
+    return connection.execute(FAILING_DESTINATIONS).all()
+
+
+def waiting_to_transmit(connection: Connection) -> int:
+    return connection.execute(WAITING_TO_TRANSMIT).scalar_one()
+
+
+# --- What `broker status` shows besides queues and the transmission queue ------------------------
+
+CONVERSATION_COUNTS = text(
+    "SELECT service_name, state, endpoints, oldest_created_at, without_lifetime"
+    " FROM broker.endpoint_counts ORDER BY service_name, state")
+INGESTS = text(
+    "SELECT queue_name, output, queue_position, last_run, rows_ingested, runs, updated_at"
+    " FROM broker.ingests ORDER BY queue_name, output")
+LATEST_DEAD_LETTERS = text(
+    "SELECT queue_name, conversation_id, message_sequence_number, message_type, reason, dead_lettered_at"
+    " FROM broker.dead_letters ORDER BY dead_letter_id DESC LIMIT :limit")
+
+
+def conversation_counts(connection: Connection) -> list[Row]:
+    """Conversation endpoints by service and state."""
+    return connection.execute(CONVERSATION_COUNTS).all()
+
+
+def ingests(connection: Connection) -> list[Row]:
+    return connection.execute(INGESTS).all()
+
+
+def latest_dead_letters(connection: Connection, limit: int) -> list[Row]:
+    return connection.execute(LATEST_DEAD_LETTERS, {"limit": limit}).all()
+
+
+# --- API keys -----------------------------------------------------------------------------------
+
+INSERT_API_KEY = text("INSERT INTO broker.api_keys (key_id, name, secret_sha256, scopes)"
+                      " VALUES (:key_id, :name, :secret_sha256, :scopes)")
+LIVE_API_KEY = text("SELECT name, secret_sha256, scopes FROM broker.api_keys"
+                    " WHERE key_id = :key_id AND revoked_at IS NULL")
+API_KEYS = text("SELECT key_id, name, scopes, created_at, revoked_at FROM broker.api_keys ORDER BY created_at")
+REVOKE_API_KEY = text("UPDATE broker.api_keys SET revoked_at = now() WHERE key_id = :key_id AND revoked_at IS NULL")
+
+
+def insert_api_key(connection: Connection, key_id: str, name: str, secret_sha256: bytes, scopes: list[str]) -> None:
+    connection.execute(INSERT_API_KEY, {"key_id": key_id, "name": name, "secret_sha256": secret_sha256,
+                                        "scopes": scopes})
+
+
+def live_api_key(connection: Connection, key_id: str) -> Row | None:
+    """The key's name, secret hash and scopes, unless it is revoked or unknown."""
+    return connection.execute(LIVE_API_KEY, {"key_id": key_id}).first()
+
+
+def api_keys(connection: Connection) -> list[Row]:
+    return connection.execute(API_KEYS).all()
+
+
+def revoke_api_key(connection: Connection, key_id: str) -> bool:
+    """Whether a live key was revoked."""
+    return connection.execute(REVOKE_API_KEY, {"key_id": key_id}).rowcount == 1
+
+
+def as_dicts(rows: list[Row]) -> list[dict[str, Any]]:
+    return [row._asdict() for row in rows]

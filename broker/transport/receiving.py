@@ -1,0 +1,53 @@
+"""The receiving side of a batch: its signature checked, its rows stored and committed in one
+transaction, and the answer acknowledging only what is durable.
+
+The body is PostgreSQL's binary COPY format of broker.transport_message rows: it goes straight into a
+temporary table by COPY, and PostgreSQL's own input checks refuse anything malformed.
+"""
+import io
+from collections.abc import Mapping
+
+import psycopg2
+from sqlalchemy import Connection, Engine, text
+
+from broker import queries
+from broker.sessions import with_temporary_table
+from broker.transport import signing, wire
+
+# The batch's rows live for one transaction in a temporary table of the session.
+STAGE_BATCH = text(
+    "CREATE TEMPORARY TABLE IF NOT EXISTS incoming_transport_batch OF broker.transport_message"
+    " (conversation_id WITH OPTIONS NOT NULL, sender_is_initiator WITH OPTIONS NOT NULL,"
+    "  sequence_number WITH OPTIONS NOT NULL, message_type WITH OPTIONS NOT NULL) ON COMMIT DELETE ROWS")
+COPY_BATCH = "COPY pg_temp.incoming_transport_batch FROM STDIN (FORMAT binary)"
+ACCEPT_BATCH = text("SELECT broker.accept_transport_batch(:instance)::text")
+
+
+class Malformed(Exception):
+    """The body is not what the endpoint takes; the message says what is wrong with it."""
+
+
+def secret_of_signer(connection: Connection, peer_instance: str, purpose: str, headers: Mapping[str, str],
+                     body: bytes) -> str:
+    """The secret this node shares with the peer under which the request is signed for the purpose; raises
+    signing.BadSignature when the peer did not sign it so."""
+    return signing.matching_secret(queries.secrets_of_peer(connection, peer_instance),
+                                   headers.get(signing.TIMESTAMP_HEADER), headers.get(signing.SIGNATURE_HEADER),
+                                   purpose, body)
+
+
+def accept_batch(engine: Engine, our_instance: str, peer_instance: str, headers: Mapping[str, str],
+                 batch: bytes) -> tuple[str, bytes]:
+    """Checks the signature, stores the batch and commits, in one transaction; returns the secret it was signed
+    under and the answer (JSON) to sign with it.  Raises signing.BadSignature or Malformed, with nothing stored."""
+    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.BATCH_MEDIA_TYPE, our_instance)
+    try:
+        with engine.connect() as connection, \
+                with_temporary_table(connection, "incoming_transport_batch", STAGE_BATCH).begin():
+            secret = secret_of_signer(connection, peer_instance, purpose, headers, batch)
+            with connection.connection.cursor() as cursor:
+                cursor.copy_expert(COPY_BATCH, io.BytesIO(batch))
+            answer = connection.execute(ACCEPT_BATCH, {"instance": peer_instance}).scalar_one()
+    except (psycopg2.DataError, psycopg2.IntegrityError) as error:  # PostgreSQL's input checks refused it
+        raise Malformed(str(error).strip().splitlines()[0]) from error
+    return secret, answer.encode()
