@@ -3,7 +3,7 @@
 A /v1 request and /metrics need a valid API key; a /transport request needs the headers of a
 peer this node routes to, with a fresh timestamp.  Anything else is answered 401 at once, with
 Connection: close, so that an outsider spends the node no more than its headers.  A peer's batch
-in another wire version than this node's is answered 415 the same way (broker.wire).  The key is
+in another wire version than this node's is answered 415 the same way (broker.transport.wire).  The key is
 handed on to the route (api.auth); a peer's signature over its body is checked once the body has
 come (api.routes.transport).
 """

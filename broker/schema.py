@@ -1,7 +1,7 @@
 """The broker's SQL API from its one definition: broker/sql/*.sql, applied in file order.
 
 A fresh database is built from these files; an existing one is upgraded through the Alembic
-revisions, which hold only the deltas.  tests/test_schema_definition.py keeps both the same.
+revisions, which hold only the deltas.  tests/migrations/test_schema_definition.py keeps both the same.
 """
 from importlib import resources
 from importlib.resources.abc import Traversable

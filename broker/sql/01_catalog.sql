@@ -1,7 +1,7 @@
 -- The broker's SQL API, as it stands: this folder is its one definition,
 -- applied in file order to an empty database (broker/schema.py).  A database
 -- upgraded through the revisions in migrations/versions ends up the same
--- (tests/test_schema_definition.py checks).
+-- (tests/migrations/test_schema_definition.py checks).
 --
 -- SQLSTATEs raised (class BR, documented in README.md):
 --   BR001 unknown service          BR010 message type not allowed in this direction

@@ -12,7 +12,7 @@
 -- pinned search_path, so its role needs no table privileges.  In a revision, a
 -- CREATE OR REPLACE FUNCTION of one of them resets both, and a new function is
 -- executable by PUBLIC: the revision that does either says them again
--- (tests/test_roles.py checks).
+-- (tests/integration/test_roles.py checks).
 
 -- Roles belong to the cluster, and every broker database makes them: each
 -- is made only when missing (another database may be making it right now).

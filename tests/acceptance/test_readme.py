@@ -14,7 +14,7 @@ from sqlalchemy import create_engine
 from broker import api_keys
 from tests.nodes import Node
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
+README = (Path(__file__).parents[2] / "README.md").read_text()
 PSQL = POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION] / "psql"
 
 
@@ -138,5 +138,5 @@ def test_the_curl_session_runs_as_written(database_url, tmp_path):
 
 def test_ci_runs_the_readmes_test_command():
     command = README.split("# Install and run the tests\n", 1)[1].splitlines()[0]
-    ci = (Path(__file__).parent.parent / ".ci" / "run").read_text().strip().splitlines()[-1]
+    ci = (Path(__file__).parents[2] / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci == command

@@ -22,7 +22,7 @@ from tests.conftest import _fresh_database, admin_execute
 from tests.nodes import SECRET, wait_for
 
 PSQL = POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION] / "psql"
-SCENARIO = Path(__file__).parent / "sql" / "scenario.sql"
+SCENARIO = Path(__file__).parents[1] / "sql" / "scenario.sql"
 
 ENTRY_POINTS = {"begin_dialog", "send", "send_numbered", "send_batch", "receive", "receive_with_lock",
                 "complete_lock", "abandon_lock", "get_conversation_group", "end_conversation",

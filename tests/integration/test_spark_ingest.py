@@ -215,7 +215,7 @@ def test_runs_killed_at_any_instant_leave_every_message_exactly_once(spark, engi
     module = [sys.executable, "-m", "spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]
     command_line = [str(BIN / "broker"), "ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]
     spark_submit = [str(BIN / "spark-submit"), "--master", "local[2]", "--jars", "/usr/share/java/postgresql.jar",
-                    str(Path(__file__).parent.parent / "spark_ingest" / "__main__.py"), "--output", str(lake),
+                    str(Path(__file__).parents[2] / "spark_ingest" / "__main__.py"), "--output", str(lake),
                     "--queue", WAREHOUSE_QUEUE]
     send_conversations(engine, 600, 5, "a")
 

@@ -16,7 +16,7 @@ from broker.processes import answers, free_port
 from tests import factories
 from tests.nodes import wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # What a wheel is built from: the checkout less what is not the product or is built locally.
 NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
                                     ".broker", "tests", "docs")

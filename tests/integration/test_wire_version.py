@@ -12,9 +12,9 @@ import pytest
 import broker
 from broker.transport import signing, wire
 from tests.nodes import SECRET, wait_for
-from tests.test_bounded_requests import MIB, _headers_only
-from tests.test_diagnose import _diagnose
-from tests.test_transport import _batch, _encode, _post, _stored
+from tests.integration.test_bounded_requests import MIB, _headers_only
+from tests.integration.test_diagnose import _diagnose
+from tests.integration.test_transport import _batch, _encode, _post, _stored
 
 OTHER_VERSION = 3
 

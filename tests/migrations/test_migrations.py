@@ -8,7 +8,7 @@ from sqlalchemy import create_engine, text
 
 from broker import migrate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEAD = migrate.head_revision()
 
 

@@ -5,7 +5,7 @@ from alembic import command
 from alembic.script import ScriptDirectory
 
 from broker import migrate
-from tests import catalog
+from tests.migrations import catalog
 from tests.conftest import _fresh_database
 
 

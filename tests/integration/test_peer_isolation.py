@@ -14,7 +14,7 @@ import broker
 from broker.transport import signing, wire
 from tests.conftest import _fresh_database
 from tests.nodes import SECRET, Node, define_node, wait_for
-from tests.test_transport import _encode
+from tests.integration.test_transport import _encode
 
 ROGUE_SECRET = "the-rogue-peers-own-secret"
 NOT_LISTENING = "http://127.0.0.1:9"
