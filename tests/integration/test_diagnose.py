@@ -3,15 +3,14 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from uuid import uuid4
 
 import pytest
-import uvicorn
 
 import broker
 from broker.transport import signing, wire
-from tests.nodes import SECRET, free_port, wait_for
+from tests.nodes import SECRET, free_port
+from tests.peers import ScriptedPeer, json_answer
 
 
 def _diagnose(node) -> tuple[int, list[dict]]:
@@ -66,50 +65,29 @@ def test_every_broken_part_is_found_with_what_to_do(nodes):
     assert len(problems) == len(expected) + 1  # and ledger's queue, which is warehouse_queue
 
 
-class HostilePeer:
-    """A peer holding the shared secret that answers describe with signed nonsense and terminal codes."""
+def hostile_peer(instance: str, description: bytes) -> ScriptedPeer:
+    """A peer holding the shared secret that answers describe with signed nonsense."""
+    def answer(request):
+        if request.method == "GET":
+            return json_answer(200, {"status": "ok", "broker_instance": instance, "wire_version": wire.WIRE_VERSION})
+        purpose = signing.answer_purpose(request.headers[signing.SIGNATURE_HEADER])
+        return 200, signing.signed_headers(SECRET, instance, purpose, description), description
 
-    def __init__(self, instance: str, description: bytes):
-        from starlette.applications import Starlette
-        from starlette.responses import JSONResponse, Response
-        from starlette.routing import Route
-
-        async def healthz(request):
-            return JSONResponse({"status": "ok", "broker_instance": instance, "wire_version": wire.WIRE_VERSION})
-
-        async def describe(request):
-            purpose = signing.answer_purpose(request.headers[signing.SIGNATURE_HEADER])
-            return Response(description, media_type="application/json",
-                            headers=signing.signed_headers(SECRET, instance, purpose, description))
-
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(
-            Starlette(routes=[Route("/healthz", healthz), Route(signing.DESCRIBE_PATH, describe, methods=["POST"])]),
-            host="127.0.0.1", port=self.port, log_level="warning"))
-
-    def __enter__(self):
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started, 30, "the hostile peer to start")
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+    return ScriptedPeer(answer)
 
 
 @pytest.mark.parametrize("description", [b'{"services": [], "contracts": "\\u001b]8;;http://evil\\u001b\\\\"}',
                                          b"not json at all \x1b[2J", b'[1, 2, 3]'])
 def test_a_peer_that_describes_itself_in_nonsense_is_a_finding_not_a_crash(database_url, engine, orders, description):
     instance = str(uuid4())
-    with HostilePeer(instance, description) as peer:
+    with hostile_peer(instance, description) as peer:
         with engine.begin() as c:
-            broker.create_route(c, "far", f"http://127.0.0.1:{peer.port}", instance, SECRET)
+            broker.create_route(c, "far", peer.address, instance, SECRET)
         code, findings = _diagnose_url(database_url)
         table = subprocess.run([sys.executable, "-m", "broker.cli", "diagnose"], capture_output=True, text=True,
                                timeout=120, env={**os.environ, "BROKER_DATABASE_URL": database_url})
     assert code == 1
-    [malformed] = [f for f in findings if f["check"] == f"node http://127.0.0.1:{peer.port}" and f["level"] == "error"]
+    [malformed] = [f for f in findings if f["check"] == f"node {peer.address}" and f["level"] == "error"]
     assert "malformed" in malformed["finding"] and malformed["advice"]
     assert table.returncode == 1 and "\x1b" not in table.stdout and "Traceback" not in table.stderr
 

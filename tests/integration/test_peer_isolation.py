@@ -2,9 +2,7 @@
 conversations, open conversations only from services routed to it, and neither its answers nor
 requests captured on their way to one node count for anything else."""
 import json
-import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -14,6 +12,7 @@ import broker
 from broker.transport import signing, wire
 from tests.conftest import _fresh_database
 from tests.nodes import SECRET, Node, define_node, wait_for
+from tests.peers import ScriptedPeer
 from tests.integration.test_transport import _encode
 
 ROGUE_SECRET = "the-rogue-peers-own-secret"
@@ -33,38 +32,6 @@ def _signed_answer(secret: str, instance: str, request_headers, body: bytes) -> 
     """The headers a node puts on its answer to the request with request_headers."""
     return signing.signed_headers(secret, instance, signing.answer_purpose(request_headers[signing.SIGNATURE_HEADER]),
                                   body)
-
-
-class PeerServer:
-    """An HTTP server playing a peer node's transport endpoint as the test likes: answer(headers, body)
-    returns the status, headers and body of each answer."""
-
-    def __init__(self, answer):
-        self.requests: list[tuple[dict, bytes]] = []
-        requests, answered = self.requests, answer
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                requests.append((dict(self.headers), body))
-                status, headers, content = answered(self.headers, body)
-                self.send_response(status)
-                for name, value in {**headers, "Content-Type": "application/json",
-                                    "Content-Length": str(len(content))}.items():
-                    self.send_header(name, value)
-                self.end_headers()
-                self.wfile.write(content)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.address = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -220,11 +187,11 @@ def test_a_peers_answer_cannot_settle_another_peers_conversation(nodes, verdict)
     instance = str(uuid.uuid4())
     forged = []
 
-    def answer(headers, body):
+    def answer(request):
         content = json.dumps({"broker_instance": instance, "results": forged}).encode()
-        return 200, _signed_answer(ROGUE_SECRET, instance, headers, content), content
+        return 200, _signed_answer(ROGUE_SECRET, instance, request.headers, content), content
 
-    peer = PeerServer(answer)
+    peer = ScriptedPeer(answer)
     try:
         with a.engine.begin() as c:
             broker.create_route(c, "rogue", peer.address, instance, ROGUE_SECRET)
@@ -259,11 +226,11 @@ def test_a_malformed_answer_is_a_failure_of_that_peer_alone(nodes, results):
     a, b = nodes
     instance = str(uuid.uuid4())
 
-    def answer(headers, body):
+    def answer(request):
         content = json.dumps({"broker_instance": instance, "results": results}).encode()
-        return 200, _signed_answer(ROGUE_SECRET, instance, headers, content), content
+        return 200, _signed_answer(ROGUE_SECRET, instance, request.headers, content), content
 
-    peer = PeerServer(answer)
+    peer = ScriptedPeer(answer)
     try:
         with a.engine.begin() as c:
             broker.create_route(c, "rogue", peer.address, instance, ROGUE_SECRET)
@@ -282,17 +249,17 @@ def test_an_answer_counts_only_for_the_request_it_answers(nodes):
     a, b = nodes
     first_answer = []
 
-    def replay(headers, body):
+    def replay(request):
         if first_answer:
             return first_answer[0]
-        forwarded = httpx.post(f"{b.address}{signing.BATCHES_PATH}", content=body, timeout=30,
-                               headers={name: value for name, value in headers.items()
+        forwarded = httpx.post(f"{b.address}{signing.BATCHES_PATH}", content=request.body, timeout=30,
+                               headers={name: value for name, value in request.headers.items()
                                         if name.startswith("X-Broker") or name.lower() == "content-type"})
         first_answer.append((forwarded.status_code, {name: value for name, value in forwarded.headers.items()
                                                      if name.lower().startswith("x-broker")}, forwarded.content))
         return first_answer[0]
 
-    proxy = PeerServer(replay)
+    proxy = ScriptedPeer(replay)
     try:
         with a.engine.begin() as c:
             broker.drop_route(c, "warehouse")

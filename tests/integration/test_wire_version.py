@@ -1,10 +1,8 @@
 """The wire has a version: a node takes batches of its own wire version only, refuses any other from the
 request's headers, and a relay facing a node of another version keeps its messages and says why."""
 import json
-import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -12,6 +10,7 @@ import pytest
 import broker
 from broker.transport import signing, wire
 from tests.nodes import SECRET, wait_for
+from tests.peers import ScriptedPeer, json_answer
 from tests.integration.test_bounded_requests import MIB, _headers_only
 from tests.integration.test_diagnose import _diagnose
 from tests.integration.test_transport import _batch, _encode, _post, _stored
@@ -19,46 +18,19 @@ from tests.integration.test_transport import _batch, _encode, _post, _stored
 OTHER_VERSION = 3
 
 
-class OtherVersionNode:
-    """A real HTTP server standing in for a node of wire version 3: /healthz names it, and every batch is
-    refused as a node of that version refuses one of ours."""
+def other_version_node(instance) -> ScriptedPeer:
+    """A node of wire version 3: /healthz names it, and every batch is refused as a node of that version
+    refuses one of ours."""
+    def answer(request):
+        if request.method == "GET":
+            return json_answer(200, {"status": "ok", "broker_instance": str(instance), "wire_version": OTHER_VERSION})
+        return json_answer(415, {
+            "type": "/problems/unsupported-wire-version", "status": 415,
+            "title": "The batch is in a wire version this node does not take",
+            "detail": f"the batch is sent as wire version 2; this node takes wire version {OTHER_VERSION}",
+            "wire_version": OTHER_VERSION}, media_type="application/problem+json")
 
-    def __init__(self, instance):
-        self.content_types: list[str | None] = []
-        content_types = self.content_types
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                self._answer(200, "application/json",
-                             {"status": "ok", "broker_instance": str(instance), "wire_version": OTHER_VERSION})
-
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                content_types.append(self.headers.get("Content-Type"))
-                self._answer(415, "application/problem+json", {
-                    "type": "/problems/unsupported-wire-version", "status": 415,
-                    "title": "The batch is in a wire version this node does not take",
-                    "detail": f"the batch is sent as wire version 2; this node takes wire version {OTHER_VERSION}",
-                    "wire_version": OTHER_VERSION})
-
-            def _answer(self, status, content_type, answer):
-                content = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(content)))
-                self.end_headers()
-                self.wfile.write(content)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.address = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+    return ScriptedPeer(answer)
 
 
 @pytest.mark.parametrize("content_type,sent", [
@@ -103,7 +75,7 @@ def test_the_media_type_is_matched_as_media_types_are_and_is_signed(nodes):
 
 def test_a_relay_facing_another_wire_version_keeps_its_messages_and_diagnose_says_what_to_do(nodes):
     a, b = nodes
-    far = OtherVersionNode(b.instance)
+    far = other_version_node(b.instance)
     try:
         with a.engine.begin() as c:
             broker.drop_route(c, "warehouse")
@@ -113,7 +85,7 @@ def test_a_relay_facing_another_wire_version_keeps_its_messages_and_diagnose_say
                 broker.send(c, handle, "order.note", str(line))
         wait_for(lambda: a.scalar("SELECT min(attempts) FROM broker.transmission_queue") >= 2, 30,
                  "the relay to try again after its backoff")
-        assert far.content_types[0] == wire.BATCH_MEDIA_TYPE
+        assert far.requests[0].headers["Content-Type"] == wire.BATCH_MEDIA_TYPE
         assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 3
         status = a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue")
         assert f"{far.address} speaks another wire version (HTTP 415)" in status
