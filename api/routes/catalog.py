@@ -9,10 +9,12 @@ from pydantic import BaseModel, Field
 
 from api.auth import api_key, require
 from api.problems import KEYED, error_responses
+from api.types import known_query_parameters
 from broker import queries
 from broker.api_keys import ApiKey
 
-router = APIRouter(prefix="/v1", tags=["catalog"], responses=error_responses(*KEYED))
+router = APIRouter(prefix="/v1", tags=["catalog"], responses=error_responses(*KEYED),
+                   dependencies=[Depends(known_query_parameters)])
 
 
 class MessageType(BaseModel):

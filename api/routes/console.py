@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from api.auth import api_key, require
 from api.problems import KEYED, error_responses
 from api.routes.queues import QueueStatus
+from api.types import known_query_parameters
 from broker.api_keys import ApiKey
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_FAILURES, RELAY_SENT
 from broker.status import node_status
@@ -105,7 +106,7 @@ def _total(counter: Counter) -> float:
 
 
 @router.get("/v1/status", tags=["catalog"], responses=error_responses(*KEYED),
-            summary="What the node is doing: queues, endpoints, transmission queue, ingests, dead letters, relay")
+            dependencies=[Depends(known_query_parameters)], summary="What the node is doing: queues, endpoints, transmission queue, ingests, dead letters, relay")
 async def get_status(request: Request, key: ApiKey = Depends(api_key)) -> NodeStatus:
     require(key, "admin")
 

@@ -11,11 +11,12 @@ import broker
 from api import bodies
 from api.auth import api_key, require
 from api.problems import KEYED, READS_BODY, Problem, error_responses
-from api.types import Name, Text, integer
+from api.types import Name, Text, integer, known_query_parameters
 from broker import queries
 from broker.api_keys import ApiKey
 
-router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=error_responses(*KEYED))
+router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=error_responses(*KEYED),
+                   dependencies=[Depends(known_query_parameters)])
 
 class BeginConversation(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [

@@ -21,12 +21,12 @@ import broker
 from api import bodies
 from api.auth import api_key, require
 from api.problems import KEYED, READS_BODY, Problem, error_responses
-from api.types import NamePath, Number, integer
+from api.types import NamePath, Number, integer, known_query_parameters
 from broker import queries
 from broker.api_keys import ApiKey
 from broker.metrics import API_ABANDONED, API_COMPLETED, API_RECEIVED
 
-router = APIRouter(tags=["queues"], responses=error_responses(*KEYED))
+router = APIRouter(tags=["queues"], responses=error_responses(*KEYED), dependencies=[Depends(known_query_parameters)])
 
 # A waiting reader looks again at least this often, for locks that expire and
 # timers that fall due: neither sends a notification.

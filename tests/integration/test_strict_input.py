@@ -69,3 +69,14 @@ def test_every_refusal_says_what_happened(api):
         problem = answer.json()
         assert answer.headers["content-type"] == "application/problem+json"
         assert problem["detail"] and problem["title"] and problem["status"] == answer.status_code, problem
+
+
+@pytest.mark.parametrize("path", ["/v1/transmission-queue?limt=5", "/v1/queues?x=1", "/v1/status?verbose=true",
+                                  "/v1/transmission-queue?limit=5&limit=6&offset=0&%00=1"])
+def test_a_query_parameter_the_route_does_not_take_is_refused(api, path):
+    with api.client(api.key) as client:
+        answer = client.get(path)
+        taken = client.get("/v1/transmission-queue?limit=5&offset=0")
+    assert answer.status_code == 422 and answer.json()["type"] == "/problems/invalid-request", answer.text
+    assert "takes no such parameter" in answer.json()["detail"]
+    assert taken.status_code == 200
