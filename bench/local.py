@@ -3,11 +3,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import psycopg2
 import psycopg2.extras
 
-from bench import workload
+from bench import pgmq, workload
 from bench.databases import BenchServer, run_sql
 from bench.results import Measurement, ScenarioResult, ratio_met
 
@@ -49,6 +50,14 @@ def _prepare(server: BenchServer, *, remote_receiver: bool) -> str:
     return url
 
 
+def _pgmq_database(server: BenchServer, pgmq_sql: Path | None) -> str | None:
+    if pgmq_sql is None:
+        return None
+    url = server.database("pgmq")
+    pgmq.load(url, pgmq_sql)
+    return url
+
+
 def _send_one_by_one(connection, handles: list[str], messages: int, payloads: list) -> None:
     with connection.cursor() as cursor:
         for _ in range(0, messages, workload.PER_TRANSACTION):
@@ -56,36 +65,74 @@ def _send_one_by_one(connection, handles: list[str], messages: int, payloads: li
             connection.commit()
 
 
-def send(server: BenchServer, messages: int, repetitions: int, report: Callable[[str], None]) -> list[ScenarioResult]:
-    """100 messages to a remote service per transaction, by broker.send_batch and by 100 calls of
-    broker.send in one statement, against a multi-row INSERT of the same 100 rows into a bare table."""
-    connection = psycopg2.connect(_prepare(server, remote_receiver=True))
-    payloads = workload.bodies()
-    handles = workload.begin_conversations(connection, workload.PER_TRANSACTION)
-    batched, one_by_one, bare = [], [], []
-    try:
-        workload.send_round_robin(connection, handles, 2_000, payloads)  # warm up
-        for repetition in range(1, repetitions + 1):
-            bare.append(_rate(lambda: _bare_insert(connection, messages, payloads), messages))
-            batched.append(_rate(lambda: workload.send_round_robin(connection, handles, messages, payloads), messages))
-            one_by_one.append(_rate(lambda: _send_one_by_one(connection, handles, messages, payloads), messages))
-            report(f"local send: repetition {repetition}/{repetitions}: INSERT {bare[-1]:,.0f} msgs/s, "
-                   f"broker.send_batch {batched[-1]:,.0f} msgs/s, broker.send {one_by_one[-1]:,.0f} msgs/s")
-    finally:
-        connection.close()
-    baseline = Measurement("multi-row INSERT of 100 into a bare table", "msgs/s", bare)
-    details = {"messages": messages, "per_transaction": workload.PER_TRANSACTION, "message_bytes": workload.MESSAGE_BYTES,
-               "conversations": workload.PER_TRANSACTION, "far_side": "remote: into the transmission queue"}
+def _compared(scenario: str, measured: Measurement, baselines: list[tuple[Measurement | None, float]],
+              details: dict) -> list[ScenarioResult]:
+    """One result per baseline: the scenario's rate against it, with the least ratio that meets the target;
+    a baseline that was not measured (pgmq without its SQL) is a skipped result that says why."""
     results = []
-    for scenario, label, rates in (("local send, broker.send_batch", "broker.send_batch of 100", batched),
-                                   ("local send, broker.send", "100 broker.send calls in one statement", one_by_one)):
-        measured = Measurement(label, "msgs/s", rates)
-        results.append(ScenarioResult(scenario, measured, baseline, target="≥ 0.7 × baseline",
-                                      met=ratio_met(measured, baseline, 0.7), details=details))
+    for baseline, least in baselines:
+        if baseline is None:
+            results.append(ScenarioResult(f"{scenario} vs pgmq", None, target=f"≥ {least} × baseline",
+                                          skipped=pgmq.SCENARIO_SKIPPED))
+            continue
+        name = f"{scenario} vs pgmq" if baseline.label.startswith("pgmq") else scenario
+        results.append(ScenarioResult(name, measured, baseline, target=f"≥ {least} × baseline",
+                                      met=ratio_met(measured, baseline, least), details=details))
     return results
 
 
-def _drain(url: str, statement: str, messages: int, readers: int) -> float:
+def send(server: BenchServer, messages: int, repetitions: int, report: Callable[[str], None],
+         pgmq_sql: Path | None = None) -> list[ScenarioResult]:
+    """100 messages per transaction, to a remote service (into the transmission queue) and to a service in
+    the same database (into its queue), by broker.send_batch and by 100 calls of broker.send in one
+    statement, against a multi-row INSERT of the same 100 rows into a bare table and, when its SQL is
+    given, pgmq.send_batch of 100."""
+    remote, local = (psycopg2.connect(_prepare(server, remote_receiver=remote)) for remote in (True, False))
+    pgmq_url = _pgmq_database(server, pgmq_sql)
+    peer = psycopg2.connect(pgmq_url) if pgmq_url else None
+    payloads, pgmq_payloads = workload.bodies(), pgmq.bodies()
+    handles = {connection: workload.begin_conversations(connection, workload.PER_TRANSACTION)
+               for connection in (remote, local)}
+    rates: dict[str, list[float]] = {}
+
+    def measure(name: str, action: Callable[[], None]) -> float:
+        rates.setdefault(name, []).append(_rate(action, messages))
+        return rates[name][-1]
+
+    try:
+        for connection in (remote, local):  # warm up
+            workload.send_round_robin(connection, handles[connection], 2_000, payloads)
+        for repetition in range(1, repetitions + 1):
+            line = [f"INSERT {measure('bare', lambda: _bare_insert(remote, messages, payloads)):,.0f}"]
+            for target, connection in (("remote", remote), ("local", local)):
+                line.append(f"send_batch to {target} {measure(f'batch {target}', lambda: workload.send_round_robin(connection, handles[connection], messages, payloads)):,.0f}")
+                line.append(f"send to {target} {measure(f'send {target}', lambda: _send_one_by_one(connection, handles[connection], messages, payloads)):,.0f}")
+            if peer:
+                line.append(f"pgmq.send_batch {measure('pgmq', lambda: pgmq.send(peer, messages, pgmq_payloads)):,.0f}")
+            report(f"local send: repetition {repetition}/{repetitions} (msgs/s): {', '.join(line)}")
+    finally:
+        for connection in (remote, local, peer):
+            if connection:
+                connection.close()
+    bare = Measurement("multi-row INSERT of 100 into a bare table", "msgs/s", rates["bare"])
+    peer_rate = Measurement("pgmq.send_batch of 100", "msgs/s", rates["pgmq"]) if peer else None
+    details = {"messages": messages, "per_transaction": workload.PER_TRANSACTION, "message_bytes": workload.MESSAGE_BYTES,
+               "conversations": workload.PER_TRANSACTION}
+    return [
+        *_compared("local send, broker.send_batch", Measurement("broker.send_batch of 100", "msgs/s", rates["batch remote"]),
+                   [(bare, 0.7)], {**details, "far_side": "remote: into the transmission queue"}),
+        *_compared("local send, broker.send", Measurement("100 broker.send calls in one statement", "msgs/s",
+                                                          rates["send remote"]),
+                   [(bare, 0.5)], {**details, "far_side": "remote: into the transmission queue"}),
+        *_compared("send_batch to a local service", Measurement("broker.send_batch of 100", "msgs/s", rates["batch local"]),
+                   [(bare, 0.7), (peer_rate, 1.0)], {**details, "far_side": "local: into the service's queue"}),
+        *_compared("send to a local service", Measurement("100 broker.send calls in one statement", "msgs/s",
+                                                          rates["send local"]),
+                   [(bare, 0.7), (peer_rate, 1.0)], {**details, "far_side": "local: into the service's queue"}),
+    ]
+
+
+def _drain(url: str, statement: str, messages: int, readers: int, params: dict | None = None) -> float:
     """msgs/s of `readers` connections taking batches and committing until `messages` are taken."""
     taken = 0
     lock = threading.Lock()
@@ -97,8 +144,8 @@ def _drain(url: str, statement: str, messages: int, readers: int) -> float:
         try:
             with connection.cursor() as cursor:
                 while taken < messages and time.monotonic() < deadline:
-                    cursor.execute(statement)
-                    count = len(cursor.fetchall())
+                    cursor.execute(statement, params)
+                    count = _taken(cursor)
                     connection.commit()
                     with lock:
                         taken += count
@@ -111,14 +158,23 @@ def _drain(url: str, statement: str, messages: int, readers: int) -> float:
     return messages / seconds
 
 
+def _taken(cursor) -> int:
+    """How many messages a reader's statement took: its rows, or the count it answers."""
+    rows = cursor.fetchall()
+    return rows[0][0] if cursor.description[0].name == "count" else len(rows)
+
+
 def receive(server: BenchServer, messages: int, repetitions: int, readers: int,
-            report: Callable[[str], None]) -> ScenarioResult:
+            report: Callable[[str], None], pgmq_sql: Path | None = None) -> list[ScenarioResult]:
     """broker.receive of up to 100 and commit, against DELETE … SKIP LOCKED … RETURNING batches of
-    100 from a bare table; both hold the same messages, in conversations of 100."""
+    100 from a bare table and, when its SQL is given, pgmq.read of 100 and pgmq.delete of them in one
+    transaction; all hold the same number of messages, ours in conversations of 100."""
     url = _prepare(server, remote_receiver=False)
+    pgmq_url = _pgmq_database(server, pgmq_sql)
     connection = psycopg2.connect(url)
+    peer = psycopg2.connect(pgmq_url) if pgmq_url else None
     payloads = workload.bodies()
-    ours, bare = [], []
+    ours, bare, theirs = [], [], []
     try:
         for repetition in range(1, repetitions + 1):
             for handle in workload.begin_conversations(connection, messages // workload.PER_TRANSACTION):
@@ -128,12 +184,18 @@ def receive(server: BenchServer, messages: int, repetitions: int, readers: int,
             _bare_insert(connection, messages, payloads)
             bare.append(_drain(url, BARE_TAKE, messages, readers))
             ours.append(_drain(url, RECEIVE, messages, readers))
-            report(f"local receive, {readers} readers: repetition {repetition}/{repetitions}: "
-                   f"DELETE … SKIP LOCKED {bare[-1]:,.0f} msgs/s, broker.receive {ours[-1]:,.0f} msgs/s")
+            line = f"DELETE … SKIP LOCKED {bare[-1]:,.0f} msgs/s, broker.receive {ours[-1]:,.0f} msgs/s"
+            if peer:
+                pgmq.send(peer, messages, pgmq.bodies())
+                theirs.append(_drain(pgmq_url, pgmq.READ_AND_DELETE, messages, readers, {"queue": pgmq.QUEUE}))
+                line += f", pgmq read + delete {theirs[-1]:,.0f} msgs/s"
+            report(f"local receive, {readers} readers: repetition {repetition}/{repetitions}: {line}")
     finally:
-        connection.close()
-    measured = Measurement("broker.receive of 100 + commit", "msgs/s", ours)
-    baseline = Measurement("DELETE … SKIP LOCKED … RETURNING 100", "msgs/s", bare)
-    return ScenarioResult(f"local receive, {readers} reader{'s' if readers > 1 else ''}", measured, baseline,
-                          target="≥ 0.7 × baseline", met=ratio_met(measured, baseline, 0.7),
-                          details={"messages": messages, "readers": readers, "conversations_of": 100})
+        for open_connection in (connection, peer):
+            if open_connection:
+                open_connection.close()
+    scenario = f"local receive, {readers} reader{'s' if readers > 1 else ''}"
+    return _compared(scenario, Measurement("broker.receive of 100 + commit", "msgs/s", ours), [
+        (Measurement("DELETE … SKIP LOCKED … RETURNING 100", "msgs/s", bare), 0.7),
+        (Measurement("pgmq.read of 100 + pgmq.delete", "msgs/s", theirs) if peer else None, 1.0)],
+        {"messages": messages, "readers": readers, "conversations_of": 100})

@@ -45,12 +45,12 @@ def _environment(database_url: str) -> dict:
             "synchronous_commit": settings["synchronous_commit"]}
 
 
-def _scenarios(server: BenchServer, output: Path, sizes: Sizes, repetitions: int,
+def _scenarios(server: BenchServer, output: Path, sizes: Sizes, repetitions: int, pgmq_sql: Path | None,
                report: Callable[[str], None]) -> list[ScenarioResult]:
     log = output / "nodes.log"
-    results = local.send(server, sizes.send, repetitions, report)
+    results = local.send(server, sizes.send, repetitions, report, pgmq_sql)
     for readers in (1, 4):
-        results.append(local.receive(server, sizes.receive, repetitions, readers, report))
+        results += local.receive(server, sizes.receive, repetitions, readers, report, pgmq_sql)
     with TwoNodes(server, log) as nodes:
         results.append(cross_node.transfer(nodes, 1_000, sizes.transfer, repetitions, report))
         transfer = results[-1].measured.median
@@ -69,7 +69,7 @@ def _scenarios(server: BenchServer, output: Path, sizes: Sizes, repetitions: int
 
 
 def run_bench(output: Path, *, quick: bool, repetitions: int, soak_minutes: float | None, server_url: str | None,
-              report: Callable[[str], None]) -> list[ScenarioResult]:
+              report: Callable[[str], None], pgmq_sql: Path | None = None) -> list[ScenarioResult]:
     output.mkdir(parents=True, exist_ok=True)
     with bench_server(server_url) as server:
         environment = _environment(server.server_url)
@@ -79,7 +79,7 @@ def run_bench(output: Path, *, quick: bool, repetitions: int, soak_minutes: floa
             with TwoNodes(server, output / "nodes.log") as nodes:
                 results = [soak.run(nodes, soak_minutes, 1_000, report)]
         else:
-            results = _scenarios(server, output, QUICK if quick else FULL, repetitions, report)
+            results = _scenarios(server, output, QUICK if quick else FULL, repetitions, pgmq_sql, report)
     write_results(results, output, environment)
     write_charts(results, output)
     return results

@@ -400,6 +400,10 @@ def bench(
     soak: float = typer.Option(None, min=1, max=24 * 60, metavar="MINUTES",
                                help="instead: steady cross-node traffic for MINUTES with a long transaction held "
                                     "open through the middle third; throughput, dead tuples and memory over time"),
+    pgmq_sql: Path = typer.Option(None, "--pgmq-sql", envvar="BROKER_BENCH_PGMQ_SQL", exists=True, dir_okay=False,
+                                  metavar="FILE",
+                                  help="pgmq's extension script (pgmq.sql): measures pgmq beside the local send "
+                                       "and receive; without it those comparisons are skipped, saying why"),
 ) -> None:
     """Measure each scenario next to its baseline in the same run (throwaway databases, durable settings):
     local send and receive, cross-node transfer and latency, REST, RabbitMQ when one answers on
@@ -414,7 +418,7 @@ def bench(
 
     results = run_bench(output, quick=quick, repetitions=repetitions, soak_minutes=soak,
                         server_url=Settings().database_url,
-                        report=lambda line: console.print(line, style="dim", highlight=False))
+                        report=lambda line: console.print(line, style="dim", highlight=False), pgmq_sql=pgmq_sql)
     print(markdown_table(results))
     console.print(f"written to {output}/: results.json, results.md and PNG charts")
 

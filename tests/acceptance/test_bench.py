@@ -10,9 +10,14 @@ import sys
 
 import pytest
 
-SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", "local receive, 1 reader", "local receive, 4 readers", "cross-node transfer",
+AGAINST_PGMQ = {"send_batch to a local service", "send to a local service", "local receive, 1 reader",
+                "local receive, 4 readers"}
+SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", *AGAINST_PGMQ,
+             *{f"{name} vs pgmq" for name in AGAINST_PGMQ}, "cross-node transfer",
              "cross-node latency (p50; p99 in details)", "REST send, then receive + complete",
              "RabbitMQ publish + consume", "Spark ingest", "cross-node at scale (min of the curve)"}
+# pgmq's SQL, when the machine has it (the bench never ships it): measured beside ours, else skipped.
+PGMQ_SQL = os.environ.get("BROKER_BENCH_PGMQ_SQL")
 
 
 def _bench(admin_url, output, *options):
@@ -32,7 +37,8 @@ def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(admi
     assert set(scenarios) == SCENARIOS
     for name, scenario in scenarios.items():
         if scenario["skipped"]:
-            assert name == "RabbitMQ publish + consume" and "5672" in scenario["skipped"]
+            assert (name == "RabbitMQ publish + consume" and "5672" in scenario["skipped"]) or \
+                (name.endswith(" vs pgmq") and "--pgmq-sql" in scenario["skipped"] and not PGMQ_SQL), name
             continue
         assert all(value > 0 for value in scenario["measured"]["values"]), name
         if scenario["baseline"]:
