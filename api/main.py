@@ -71,8 +71,8 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
     app.state.database_metrics.register(DatabaseCollector(app.state.engine))
     with app.state.engine.connect() as connection:
         app.state.broker_instance = queries.broker_instance(connection)
-    for router in (conversations.router, queues.router, catalog.router, health.router, transport.router,
-                   console.router):
+    for router in (conversations.router, conversations.messages_router, queues.router, catalog.router, health.router,
+                   transport.router, console.router):
         app.include_router(router)
     app.add_middleware(RequestLimits, limit_for=lambda path: max_batch_bytes if path.startswith("/transport/")
                        else max_request_bytes, timeout_s=request_timeout_s)

@@ -153,6 +153,20 @@ def send_numbered(executor: Executor, conversation_handle: UUID, sequence_number
                  body=_as_bytes(body)).scalar_one()
 
 
+def send_numbered_many(executor: Executor, messages: Sequence[tuple[UUID, int, str, bytes | str | None]]) -> list[bool]:
+    """send_numbered for each (conversation_handle, sequence_number, message_type, body), in the order given and
+    in one statement: whether each was sent now (False: that very message was sent already)."""
+    return list(_call(
+        executor,
+        "SELECT broker.send_numbered(m.handle, m.number, m.message_type, m.body)"
+        " FROM unnest(CAST(:handles AS uuid[]), CAST(:numbers AS bigint[]), CAST(:message_types AS text[]),"
+        "             CAST(:bodies AS bytea[])) WITH ORDINALITY AS m(handle, number, message_type, body, k)"
+        " ORDER BY m.k",
+        handles=[str(handle) for handle, _, _, _ in messages], numbers=[number for _, number, _, _ in messages],
+        message_types=[message_type for _, _, message_type, _ in messages],
+        bodies=[_as_bytes(body) for _, _, _, body in messages]).scalars())
+
+
 def receive(executor: Executor, queue: str, max_messages: int = 1, *, conversation_group: UUID | None = None,
             wait_ms: int = 0) -> list[ReceivedMessage]:
     """Locks one conversation group and returns up to max_messages of its messages in order.

@@ -125,6 +125,8 @@ QUEUE_ID = text("SELECT queue_id FROM broker.queues WHERE name = :queue")
 QUEUE_OF_LOCK = text("SELECT q.name FROM broker.leases l JOIN broker.queues q USING (queue_id)"
                      " WHERE l.lock_token = :token")
 ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
+SERVICES_OF_ENDPOINTS = text("SELECT conversation_handle, service_name FROM broker.conversation_endpoints"
+                             " WHERE conversation_handle = ANY(CAST(:handles AS uuid[]))")
 OPEN_ENDPOINTS = text("SELECT count(*) FROM broker.endpoints WHERE state <> 'closed'")
 ENDPOINT_HANDLE = text("SELECT conversation_handle FROM broker.endpoints"
                        " WHERE conversation_id = :conversation_id AND is_initiator = :is_initiator")
@@ -147,6 +149,11 @@ def queue_of_lock(connection: Connection, lock_token: UUID) -> str | None:
 def endpoint(connection: Connection, handle: UUID) -> Row | None:
     """One side of a conversation, from broker.conversation_endpoints."""
     return connection.execute(ENDPOINT, {"handle": handle}).first()
+
+
+def services_of_endpoints(connection: Connection, handles: list[UUID]) -> dict[UUID, str]:
+    """The local service of each conversation side named (unknown handles are left out)."""
+    return dict(connection.execute(SERVICES_OF_ENDPOINTS, {"handles": [str(handle) for handle in handles]}).all())
 
 
 def open_endpoints(connection: Connection) -> int:

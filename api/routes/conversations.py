@@ -17,6 +17,10 @@ from broker.api_keys import ApiKey
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=error_responses(*KEYED),
                    dependencies=[Depends(known_query_parameters)])
+messages_router = APIRouter(prefix="/v1", tags=["conversations"], responses=error_responses(*KEYED),
+                            dependencies=[Depends(known_query_parameters)])
+# Enough for a client to amortise a request's cost; a request stays well within BROKER_MAX_REQUEST_BYTES' default.
+MAX_MESSAGES_A_REQUEST = 1000
 
 class BeginConversation(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
@@ -50,6 +54,11 @@ class Conversation(BaseModel):
     closed_at: datetime | None
 
 
+IDEMPOTENT = ("makes the send idempotent: the number this message must get. Resending the same number with the same "
+              "content returns the stored result; another content, or a number out of turn, is 409")
+SequenceNumber = integer(ge=1, le=2**53 - 1)
+
+
 class SendMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={
         "examples": [{"message_type": "order.submit", "body": {"sku": "A-1", "quantity": 2}, "sequence_number": 1}],
@@ -60,14 +69,34 @@ class SendMessage(BaseModel):
     body_base64: str | None = Field(
         None, pattern=r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$",
         description="raw bytes, base64 (RFC 4648, padded): instead of body")
-    sequence_number: integer(ge=1, le=2**53 - 1) | None = Field(None, description=(
-        "makes the send idempotent: the number this message must get. Resending the same number with the same "
-        "content returns the stored result; another content, or a number out of turn, is 409"))
+    sequence_number: SequenceNumber | None = Field(None, description=IDEMPOTENT)
+
+
+class NumberedMessage(SendMessage):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"conversation_handle": "8f7c4268-32b4-4c58-9c4f-7e2f1c0f5b1a", "message_type": "order.submit",
+                      "body": {"sku": "A-1", "quantity": 2}, "sequence_number": 1}],
+        "not": {"required": ["body", "body_base64"]}})
+
+    conversation_handle: UUID
+    sequence_number: SequenceNumber = Field(description=IDEMPOTENT)
+
+
+class SendMessages(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[NumberedMessage] = Field(min_length=1, max_length=MAX_MESSAGES_A_REQUEST, description=(
+        "sent in this order, all or none, each numbered by the client: a batch sent again after a timeout is "
+        "stored once"))
 
 
 class Sent(BaseModel):
     sequence_number: int
     duplicate: bool = Field(description="true when this was a retry of a send already stored")
+
+
+class SentMany(BaseModel):
+    messages: list[Sent] = Field(description="one per message, in the order given")
 
 
 class EndConversation(BaseModel):
@@ -124,6 +153,26 @@ def send_message(conversation_handle: UUID, message: SendMessage, request: Reque
         sent_now = broker.send_numbered(connection, conversation_handle, message.sequence_number,
                                         message.message_type, body)
         return Sent(sequence_number=message.sequence_number, duplicate=not sent_now)
+
+
+@messages_router.post("/messages", response_model=SentMany, summary="Send many messages, on any conversations",
+                      responses=error_responses(400, 404, 409, *READS_BODY))
+def send_messages(batch: SendMessages, request: Request, key: ApiKey = Depends(api_key)) -> SentMany:
+    """One request and one transaction for many numbered sends: each as POST …/messages with its sequence_number
+    would do it, all or none.  The key needs send:<service> for every conversation named."""
+    handles = list(dict.fromkeys(message.conversation_handle for message in batch.messages))
+    encoded = [(message.conversation_handle, message.sequence_number, message.message_type,
+                bodies.encode(message.body, message.body_base64)) for message in batch.messages]
+    with request.app.state.engine.begin() as connection:
+        services = queries.services_of_endpoints(connection, handles)
+        unknown = next((handle for handle in handles if handle not in services), None)
+        if unknown is not None:
+            raise Problem(404, "unknown-object", "No such object", f"unknown conversation {unknown}")
+        for service in sorted(set(services.values())):
+            require(key, f"send:{service}")
+        sent_now = broker.send_numbered_many(connection, encoded)
+    return SentMany(messages=[Sent(sequence_number=message.sequence_number, duplicate=not now)
+                              for message, now in zip(batch.messages, sent_now)])
 
 
 @router.post("/{conversation_handle}/end", response_model=Conversation, summary="End a conversation",

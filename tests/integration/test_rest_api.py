@@ -95,6 +95,52 @@ def test_an_idempotent_send_can_be_retried_without_a_duplicate(admin, engine):
         assert connection.execute(text("SELECT count(*) FROM broker.queue_messages")).scalar() == 2
 
 
+def _batch(handles_and_numbers, body=None):
+    return {"messages": [{"conversation_handle": handle, "sequence_number": number, "message_type": "order.note",
+                          "body": body if body is not None else {"n": number}}
+                         for handle, number in handles_and_numbers]}
+
+
+def test_many_numbered_messages_go_in_one_request_all_or_none_and_once(admin, engine):
+    first, second = _begin(admin), _begin(admin)
+    batch = _batch([(first, 1), (second, 1), (first, 2)])
+    sent = admin.post("/v1/messages", json=batch)
+    assert sent.status_code == 200, sent.text
+    assert sent.json() == {"messages": [{"sequence_number": n, "duplicate": False} for n in (1, 1, 2)]}
+    again = admin.post("/v1/messages", json=_batch([(first, 2), (first, 3)]))  # a retry that goes on
+    assert again.json() == {"messages": [{"sequence_number": 2, "duplicate": True},
+                                         {"sequence_number": 3, "duplicate": False}]}
+    with engine.connect() as connection:
+        before = connection.execute(text("SELECT count(*) FROM broker.queue_messages")).scalar()
+    out_of_turn = _is_problem(admin.post("/v1/messages", json=_batch([(second, 2), (first, 9)])), 409,
+                              "sequence-conflict")
+    assert out_of_turn["expected_sequence_number"] == 4
+    other_content = admin.post("/v1/messages", json=_batch([(second, 2), (second, 1)], body={"changed": True}))
+    assert _is_problem(other_content, 409, "sequence-conflict")["expected_sequence_number"] == 3
+    with engine.connect() as connection:  # nothing of a refused batch stays, not even its first message
+        assert connection.execute(text("SELECT count(*) FROM broker.queue_messages")).scalar() == before
+    assert admin.post("/v1/messages", json=_batch([(second, 2)])).json()["messages"][0]["duplicate"] is False
+
+
+def test_a_batch_needs_send_scope_for_every_conversation_and_known_conversations(api, admin, engine):
+    shop = _begin(admin)
+    with engine.begin() as c:
+        broker.create_queue(c, "ledger_queue")
+        broker.create_service(c, "ledger", "ledger_queue")
+        ledger = broker.begin_dialog(c, "ledger", factories.WAREHOUSE, factories.CONTRACT)
+    with api.client(new_key(engine, "send:shop")) as client:
+        assert client.post("/v1/messages", json=_batch([(shop, 1)])).status_code == 200
+        _is_problem(client.post("/v1/messages", json=_batch([(shop, 2), (str(ledger), 1)])), 403, "forbidden")
+        unknown = _is_problem(client.post("/v1/messages", json=_batch([(shop, 2), ("0" * 8 + "-0000-4000-8000-" + "0" * 12, 1)])),
+                              404, "unknown-object")
+        assert "unknown conversation" in unknown["detail"]
+    for bad in ({"messages": []}, {"messages": [{"conversation_handle": shop, "message_type": "order.note"}]},
+                {**_batch([(shop, 2)]), "extra": 1}):
+        _is_problem(admin.post("/v1/messages", json=bad), 422, "invalid-request")
+    messages = admin.get("/openapi.json").json()["components"]["schemas"]["SendMessages"]["properties"]["messages"]
+    assert messages["maxItems"] == 1000  # (1,001 of them are larger than this node's 64 KiB requests)
+
+
 def test_a_retry_after_a_lost_response_is_stored_once(api, engine):
     """The client's connection goes after the commit, before it reads the answer; it sends again."""
     key = new_key(engine, "admin")
