@@ -25,7 +25,7 @@ from broker.core import (
     send,
     send_batch,
     send_numbered,
-    send_numbered_many,
+    send_numbered_batch,
 )
 from broker.errors import (
     AlreadyExists,
@@ -50,5 +50,5 @@ __all__ = [
     "complete_lock", "create_contract", "create_message_type", "create_queue", "create_route", "create_service",
     "drop_contract", "drop_message_type", "drop_queue", "drop_route", "drop_service", "end_conversation",
     "get_conversation_group", "receive", "receive_with_lock", "report_processing_failure", "send", "send_batch",
-    "send_numbered", "send_numbered_many",
+    "send_numbered", "send_numbered_batch",
 ]

@@ -153,18 +153,16 @@ def send_numbered(executor: Executor, conversation_handle: UUID, sequence_number
                  body=_as_bytes(body)).scalar_one()
 
 
-def send_numbered_many(executor: Executor, messages: Sequence[tuple[UUID, int, str, bytes | str | None]]) -> list[bool]:
-    """send_numbered for each (conversation_handle, sequence_number, message_type, body), in the order given and
-    in one statement: whether each was sent now (False: that very message was sent already)."""
-    return list(_call(
-        executor,
-        "SELECT broker.send_numbered(m.handle, m.number, m.message_type, m.body)"
-        " FROM unnest(CAST(:handles AS uuid[]), CAST(:numbers AS bigint[]), CAST(:message_types AS text[]),"
-        "             CAST(:bodies AS bytea[])) WITH ORDINALITY AS m(handle, number, message_type, body, k)"
-        " ORDER BY m.k",
-        handles=[str(handle) for handle, _, _, _ in messages], numbers=[number for _, number, _, _ in messages],
-        message_types=[message_type for _, _, message_type, _ in messages],
-        bodies=[_as_bytes(body) for _, _, _, body in messages]).scalars())
+def send_numbered_batch(executor: Executor, messages: Sequence[tuple[UUID, int, str, bytes | str | None]]) -> list[bool]:
+    """send_numbered for each (conversation_handle, sequence_number, message_type, body), in the order given, all
+    or none, in one statement: whether each was sent now (False: that very message was sent already).
+
+    Raises SequenceConflict for the first message out of turn or sent before with another content."""
+    return _call(executor, "SELECT broker.send_numbered_batch(CAST(:handles AS uuid[]), CAST(:numbers AS bigint[]),"
+                           " CAST(:message_types AS text[]), CAST(:bodies AS bytea[]))",
+                 handles=[str(handle) for handle, _, _, _ in messages], numbers=[number for _, number, _, _ in messages],
+                 message_types=[message_type for _, _, message_type, _ in messages],
+                 bodies=[_as_bytes(body) for _, _, _, body in messages]).scalar_one()
 
 
 def receive(executor: Executor, queue: str, max_messages: int = 1, *, conversation_group: UUID | None = None,

@@ -170,7 +170,7 @@ def send_messages(batch: SendMessages, request: Request, key: ApiKey = Depends(a
             raise Problem(404, "unknown-object", "No such object", f"unknown conversation {unknown}")
         for service in sorted(set(services.values())):
             require(key, f"send:{service}")
-        sent_now = broker.send_numbered_many(connection, encoded)
+        sent_now = broker.send_numbered_batch(connection, encoded)
     return SentMany(messages=[Sent(sequence_number=message.sequence_number, duplicate=not now)
                               for message, now in zip(batch.messages, sent_now)])
 

@@ -499,20 +499,32 @@ END $$;
 COMMENT ON FUNCTION broker.send(uuid, text, bytea) IS
     'Sends a message on a conversation; returns its sequence number.  Durable when the caller commits.';
 
+-- Locks every local endpoint of the conversations whose handles are given,
+-- conversation by conversation and the initiator's endpoint first: the order
+-- of broker._lock_endpoint and of an arriving batch, so that writers of many
+-- conversations at once and writers of one cannot deadlock.
+CREATE FUNCTION broker._lock_conversations(handles uuid[]) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM FROM (SELECT FROM broker.endpoints e
+                  WHERE e.conversation_id IN (SELECT l.conversation_id FROM broker.endpoints l
+                                              WHERE l.conversation_handle = ANY (handles))
+                  ORDER BY e.conversation_id, e.is_initiator DESC
+                  FOR NO KEY UPDATE) locked;
+END $$;
+
 -- Sends many messages of one type at once, bodies[i] on conversation_handles[i]
 -- (bodies NULL: every body NULL).  A handle may appear more than once: its
 -- messages are numbered in the order given.  Returns the sequence numbers in
 -- that order.  All or nothing, with every check and error of broker.send.
 -- The common case is set-based: conversing conversations within their
--- lifetime sending a type without validation that their contract allows.
--- Those with a remote far side are locked in the order of their handles,
--- numbered by one UPDATE and queued by one INSERT into the transmission queue;
--- those with a local far side are locked conversation by conversation, the
--- initiator's endpoint first (the order of broker._lock_endpoint), and
--- delivered by one INSERT into the far side's queue, when that side takes
--- messages and its queue is enabled.  Anything else (a conversation past its
--- lifetime, say, which broker.send refuses) goes through broker.send one
--- message at a time.
+-- lifetime sending a type without validation that their contract allows are
+-- locked together (broker._lock_conversations), numbered by one UPDATE, and
+-- queued by one INSERT into the transmission queue when their far side is
+-- remote, or delivered by one INSERT into the far side's queue when it is
+-- local, takes messages and its queue is enabled.  Anything else (a
+-- conversation past its lifetime, say, which broker.send refuses) goes through
+-- broker.send one message at a time.
 CREATE OR REPLACE FUNCTION broker.send_batch(conversation_handles uuid[], message_type text, bodies bytea[] DEFAULT NULL)
 RETURNS bigint[]
 LANGUAGE plpgsql AS $$
@@ -531,19 +543,13 @@ BEGIN
         PERFORM broker._raise('BR050', format('bodies has %s elements and conversation_handles %s: give one body per handle',
             cardinality(bodies), given));
     END IF;
+    PERFORM broker._lock_conversations(conversation_handles);
     SELECT count(*) INTO plain
-    FROM (SELECT e.contract_id, e.is_initiator FROM broker.endpoints e
-          WHERE e.conversation_handle = ANY (conversation_handles) AND e.state = 'conversing' AND NOT e.far_is_local
-            AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp())
-          ORDER BY e.conversation_handle
-          FOR NO KEY UPDATE) e
+    FROM broker.endpoints e
     JOIN broker._plain_message_types p
-      ON p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator AND p.message_type_id = mt.message_type_id;
-    PERFORM FROM (SELECT FROM broker.endpoints e
-                  WHERE e.conversation_id IN (SELECT l.conversation_id FROM broker.endpoints l
-                                              WHERE l.conversation_handle = ANY (conversation_handles) AND l.far_is_local)
-                  ORDER BY e.conversation_id, e.is_initiator DESC
-                  FOR NO KEY UPDATE) locked;
+      ON p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator AND p.message_type_id = mt.message_type_id
+    WHERE e.conversation_handle = ANY (conversation_handles) AND e.state = 'conversing' AND NOT e.far_is_local
+      AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp());
     SELECT plain + count(*) INTO plain
     FROM broker.endpoints e
     JOIN broker.endpoints far ON far.conversation_id = e.conversation_id AND far.is_initiator <> e.is_initiator
@@ -651,6 +657,95 @@ BEGIN
 END $$;
 COMMENT ON FUNCTION broker.send_numbered(uuid, bigint, text, bytea) IS
     'Idempotent send: the client numbers the message; a retry with the same number and content is a no-op.';
+
+-- A message of broker.send_numbered_batch as it is judged: repeat_of is the
+-- position of the first message of the batch with the same conversation and
+-- number; fresh, whether it is sent now; expected, the number that comes next
+-- on its conversation when it is judged.
+CREATE TYPE broker._judged_send AS (
+    k bigint, conversation_handle uuid, sequence_number bigint, message_type text, body bytea, digest bytea,
+    repeat_of bigint, fresh boolean, expected bigint
+);
+
+-- broker.send_numbered for many messages, in the order given, all or none:
+-- whether each was sent now.  Each message is judged as broker.send_numbered
+-- would judge it after the ones before it: a number already sent (or given
+-- earlier in the batch) is a no-op when its content is the same; the next
+-- number sends; anything else raises BR021 for the first such message.  The
+-- messages sent now go through broker.send_batch, one call per run of one
+-- message type.
+CREATE FUNCTION broker.send_numbered_batch(conversation_handles uuid[], sequence_numbers bigint[],
+                                           message_types text[], bodies bytea[])
+RETURNS boolean[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    given integer := cardinality(conversation_handles);
+    unknown uuid;
+    judged broker._judged_send[];
+    conflict record;
+    run record;
+BEGIN
+    IF given IS NULL OR array_position(conversation_handles, NULL) IS NOT NULL
+       OR array_position(sequence_numbers, NULL) IS NOT NULL OR array_position(message_types, NULL) IS NOT NULL
+       OR cardinality(sequence_numbers) IS DISTINCT FROM given OR cardinality(message_types) IS DISTINCT FROM given
+       OR cardinality(bodies) IS DISTINCT FROM given THEN
+        PERFORM broker._raise('BR050', 'give as many conversation handles, sequence numbers, message types and '
+            'bodies, without NULL but in bodies');
+    END IF;
+    PERFORM broker._lock_conversations(conversation_handles);
+    SELECT h INTO unknown FROM unnest(conversation_handles) WITH ORDINALITY AS g(h, k)
+    WHERE NOT EXISTS (SELECT FROM broker.endpoints e WHERE e.conversation_handle = g.h) ORDER BY k LIMIT 1;
+    IF FOUND THEN
+        PERFORM broker._raise('BR005', format('unknown conversation %s', unknown));
+    END IF;
+    WITH m AS (
+        SELECT g.k, g.h, g.n, g.t, g.b, broker._content_sha256(g.t, g.b) AS digest,
+               min(g.k) OVER (PARTITION BY g.h, g.n) AS first_k, e.send_sequence
+        FROM unnest(conversation_handles, sequence_numbers, message_types, bodies) WITH ORDINALITY AS g(h, n, t, b, k)
+        JOIN broker.endpoints e ON e.conversation_handle = g.h
+    ), with_freshness AS (
+        SELECT m.*, m.first_k = m.k AND m.n > m.send_sequence AS fresh FROM m
+    ), with_expected AS (
+        SELECT f.*, f.send_sequence + 1 + count(*) FILTER (WHERE f.fresh) OVER (
+                   PARTITION BY f.h ORDER BY f.k ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS expected
+        FROM with_freshness f
+    )
+    SELECT array_agg(ROW(f.k, f.h, f.n, f.t, f.b, f.digest, CASE WHEN f.first_k <> f.k THEN f.first_k END, f.fresh,
+                         f.expected)::broker._judged_send ORDER BY f.k)
+    INTO judged FROM with_expected f;
+    SELECT j.k, j.conversation_handle, j.sequence_number, j.expected, j.stored IS NOT NULL AS was_sent INTO conflict
+    FROM (SELECT x.*, coalesce(first.digest, s.content_sha256) AS stored
+          FROM unnest(judged) x
+          LEFT JOIN unnest(judged) first ON first.k = x.repeat_of
+          LEFT JOIN broker.numbered_sends s
+            ON x.repeat_of IS NULL AND NOT x.fresh AND s.conversation_handle = x.conversation_handle
+           AND s.sequence_number = x.sequence_number) j
+    WHERE (j.fresh AND j.sequence_number <> j.expected) OR (NOT j.fresh AND j.stored IS DISTINCT FROM j.digest)
+    ORDER BY j.k LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'BR021', DETAIL = conflict.expected::text,
+            MESSAGE = CASE WHEN NOT conflict.was_sent
+                THEN format('message %s is out of turn on conversation %s: the next number is %s',
+                            conflict.sequence_number, conflict.conversation_handle, conflict.expected)
+                ELSE format('message %s of conversation %s was already sent with another content; the next number is %s',
+                            conflict.sequence_number, conflict.conversation_handle, conflict.expected) END;
+    END IF;
+    FOR run IN
+        SELECT min(x.message_type) AS message_type, array_agg(x.conversation_handle ORDER BY x.k) AS handles,
+               array_agg(x.body ORDER BY x.k) AS bodies
+        FROM (SELECT x.*, row_number() OVER (ORDER BY x.k)
+                          - row_number() OVER (PARTITION BY x.message_type ORDER BY x.k) AS run_id
+              FROM unnest(judged) x WHERE x.fresh) x
+        GROUP BY x.message_type, x.run_id ORDER BY min(x.k)
+    LOOP
+        PERFORM broker.send_batch(run.handles, run.message_type, run.bodies);
+    END LOOP;
+    INSERT INTO broker.numbered_sends (conversation_handle, sequence_number, content_sha256)
+    SELECT x.conversation_handle, x.sequence_number, x.digest FROM unnest(judged) x WHERE x.fresh;
+    RETURN coalesce((SELECT array_agg(x.fresh ORDER BY x.k) FROM unnest(judged) x), '{}');
+END $$;
+COMMENT ON FUNCTION broker.send_numbered_batch(uuid[], bigint[], text[], bytea[]) IS
+    'broker.send_numbered for many messages in order, all or none: whether each was sent now.';
 
 ------------------------------------------------------------------------------
 -- Receiving: in conversation order, and never wedged by a lease

@@ -1,4 +1,5 @@
 """broker.send_batch: many messages in one statement, numbered and checked as broker.send numbers and checks them."""
+import random
 import threading
 from uuid import uuid4
 
@@ -201,3 +202,53 @@ def test_invariant_2_batches_and_replies_on_local_conversations_never_deadlock_o
     # (as when an application wrote before it sent); receive hands a conversation out by its numbers
     assert {h: sorted(numbers) for h, numbers in by_sender.items()} == {
         **{h: list(range(1, 61)) for h in initiators}, **{h: list(range(1, 61)) for h in targets}}
+
+
+def _apply_numbered(engine, messages, one_by_one: bool):
+    """The batch through broker.send_numbered_batch, or through broker.send_numbered one message at a time in one
+    transaction: what each returned, or the refusal (its SQLSTATE and expected number)."""
+    try:
+        with engine.begin() as c:
+            if one_by_one:
+                return [broker.send_numbered(c, *message) for message in messages]
+            return broker.send_numbered_batch(c, messages)
+    except broker.SequenceConflict as conflict:
+        return conflict.sqlstate, conflict.expected_sequence_number, "out of turn" in str(conflict)
+
+
+def test_a_numbered_batch_is_judged_as_numbered_sends_one_after_another(engine, orders, remote):
+    """Random batches (the next numbers, repeats within the batch and of what was stored, other contents, numbers
+    out of turn; plain and validated types; local and remote far sides) give the same answers, refusals and
+    stored messages through send_numbered_batch as through send_numbered in turn."""
+    rng = random.Random(20261123)
+    with engine.begin() as c:
+        local = [begin(c) for _ in range(4)]
+        more_remote = [broker.begin_dialog(c, SHOP, FAR_AWAY, "orders") for _ in range(2)]
+    twins = list(zip(local[:2] + remote[:1], local[2:] + more_remote[:1]))  # (batched, one by one)
+    sent = [0] * len(twins)
+    for step in range(60):
+        plan = []
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(len(twins))
+            number = max(1, sent[i] + 1 + rng.choice([0, 0, 0, 1, -1, -2, 2]))
+            message_type, body = rng.choice([("order.note", f"n{number}"), ("order.note", "other"),
+                                             ("order.submit", f'{{"n": {number}}}')])
+            plan.append((i, number, message_type, body))
+            sent[i] = max(sent[i], number)
+        batched = _apply_numbered(engine, [(twins[i][0], n, t, b) for i, n, t, b in plan], one_by_one=False)
+        in_turn = _apply_numbered(engine, [(twins[i][1], n, t, b) for i, n, t, b in plan], one_by_one=True)
+        assert batched == in_turn, (step, plan)
+        with engine.begin() as c:
+            sent = [c.execute(text("SELECT send_sequence FROM broker.endpoints WHERE conversation_handle = :h"),
+                              {"h": h}).scalar_one() for h, _ in twins]
+    with engine.begin() as c:
+        stored = {h: c.execute(text(
+            "SELECT array_agg((n, t, b) ORDER BY n)::text FROM ("
+            " SELECT message_sequence_number n, message_type_id t, body b FROM broker.queue_messages m"
+            "  JOIN broker.endpoints far ON far.conversation_handle = m.conversation_handle"
+            "  JOIN broker.endpoints e ON e.conversation_id = far.conversation_id AND e.is_initiator"
+            "  WHERE e.conversation_handle = :h"
+            " UNION ALL SELECT message_sequence_number, message_type_id, body FROM broker.transmission_queue"
+            "  WHERE conversation_handle = :h) s"), {"h": h}).scalar_one() for pair in twins for h in pair}
+    assert all(stored[a] == stored[b] and stored[a] for a, b in twins)
+    assert sum(sent) > 20

@@ -1,4 +1,8 @@
--- broker.send_batch as revisions 0008 to 0013 left it: local far sides one message at a time.
+-- Back to revision 0013: send_batch sends to local far sides one message at a time, locking remote
+-- conversations in the order of their handles; no send_numbered_batch.
+
+DROP FUNCTION broker.send_numbered_batch(uuid[], bigint[], text[], bytea[]);
+DROP TYPE broker._judged_send;
 
 CREATE OR REPLACE FUNCTION broker.send_batch(conversation_handles uuid[], message_type text, bodies bytea[] DEFAULT NULL)
 RETURNS bigint[]
@@ -52,3 +56,5 @@ BEGIN
     RETURN coalesce(numbers, '{}');
 END $$;
 ALTER FUNCTION broker.send_batch(uuid[], text, bytea[]) SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp;
+
+DROP FUNCTION broker._lock_conversations(uuid[]);

@@ -1,4 +1,4 @@
-"""broker.send_batch delivers to local far sides set-based, as it queues for remote ones.
+"""Batches of sends in one statement: send_batch to local far sides set-based, and send_numbered_batch.
 
 Revision ID: 0014
 Revises: 0013
@@ -19,9 +19,9 @@ _HERE = Path(__file__).parent
 
 def upgrade() -> None:
     op.execute("SET LOCAL lock_timeout = '10s'")
-    run_sql_file(_HERE / "0014_local_send_batch.upgrade.sql")
+    run_sql_file(_HERE / "0014_send_batches.upgrade.sql")
 
 
 def downgrade() -> None:
     op.execute("SET LOCAL lock_timeout = '10s'")
-    run_sql_file(_HERE / "0014_local_send_batch.downgrade.sql")
+    run_sql_file(_HERE / "0014_send_batches.downgrade.sql")
