@@ -13,6 +13,26 @@ from tests.factories import SHOP, WAREHOUSE_QUEUE, begin, broker_table_counts, t
 FAR_AWAY = "far_away"
 
 
+def _at_once(engine, actions, transactions: int = 30) -> list[Exception]:
+    """Each action in a thread of its own, in `transactions` transactions one after another; what they raised."""
+    errors = []
+
+    def run(action) -> None:
+        try:
+            for _ in range(transactions):
+                with engine.begin() as c:
+                    action(c)
+        except Exception as error:  # returned to the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(action,)) for action in actions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
 @pytest.fixture
 def remote(engine, orders):
     """Three conversations with a service on another node (no relay runs: messages stay queued)."""
@@ -87,22 +107,8 @@ def test_malformed_arguments_are_invalid(engine, remote, handles, bodies, words)
 
 def test_invariant_2_concurrent_batches_over_the_same_conversations_number_without_gaps(engine, remote):
     """Batches naming the conversations in opposite orders lock them in one order: no deadlock, no gap."""
-    errors = []
-
-    def sender(order) -> None:
-        try:
-            for _ in range(30):
-                with engine.begin() as c:
-                    broker.send_batch(c, order, "order.note", None)
-        except Exception as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=sender, args=(order,)) for order in (remote, remote[::-1]) * 2]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    assert _at_once(engine, [lambda c, order=order: broker.send_batch(c, order, "order.note", None)
+                             for order in (remote, remote[::-1]) * 2]) == []
     with engine.begin() as c:
         numbers = c.execute(text("SELECT conversation_handle, array_agg(message_sequence_number ORDER BY message_sequence_number)"
                                  " FROM broker.transmission_queue GROUP BY 1")).all()
@@ -174,25 +180,9 @@ def test_invariant_2_batches_and_replies_on_local_conversations_never_deadlock_o
     with engine.begin() as c:
         pairs = _local_pairs(c, 3)
     initiators, targets = [i for i, _ in pairs], [t for _, t in pairs]
-    errors = []
-
-    def run(action) -> None:
-        try:
-            for _ in range(30):
-                with engine.begin() as c:
-                    action(c)
-        except Exception as error:  # reported below
-            errors.append(error)
-
-    actions = [lambda c: broker.send_batch(c, initiators, "order.note", None),
-               lambda c: broker.send_batch(c, initiators[::-1] + targets, "order.note", None),
-               *[lambda c, t=t: broker.send(c, t, "order.note") for t in targets]]
-    threads = [threading.Thread(target=run, args=(action,)) for action in actions]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    assert _at_once(engine, [lambda c: broker.send_batch(c, initiators, "order.note", None),
+                             lambda c: broker.send_batch(c, initiators[::-1] + targets, "order.note", None),
+                             *[lambda c, t=t: broker.send(c, t, "order.note") for t in targets]]) == []
     with engine.begin() as c:
         rows = c.execute(QUEUED_AT_THE_FAR_SIDE, {"handles": initiators + targets}).all()
     by_sender = {}
