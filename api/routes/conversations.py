@@ -22,6 +22,7 @@ messages_router = APIRouter(prefix="/v1", tags=["conversations"], responses=erro
 # Enough for a client to amortise a request's cost; a request stays well within BROKER_MAX_REQUEST_BYTES' default.
 MAX_MESSAGES_A_REQUEST = 1000
 
+
 class BeginConversation(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"from_service": "shop", "to_service": "warehouse", "contract": "orders", "lifetime_s": 3600}]})
