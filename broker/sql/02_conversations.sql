@@ -835,7 +835,9 @@ END $$;
 -- queue), each conversation's in the order of broker.queue_messages_in_order
 -- (notices after the messages they follow); the walk stops at max_messages,
 -- and what is returned comes from the rows consumed (or kept, with retention)
--- rather than from reading them again.
+-- rather than from reading them again.  The picked rows are consumed by their
+-- positions as an array, one probe of the primary key each: as a join, the
+-- plan kept for the function may scan the whole queue to find them.
 CREATE OR REPLACE FUNCTION broker.receive(queue text, max_messages integer DEFAULT 1, conversation_group uuid DEFAULT NULL,
                                           wait_ms integer DEFAULT 0)
 RETURNS SETOF broker.received_message
@@ -861,12 +863,12 @@ BEGIN
                  m.notice_after IS NOT NULL, m.queue_position
         LIMIT max_messages
     ), consumed AS (
-        DELETE FROM broker.queue_messages m USING picked
-        WHERE NOT q.retention AND m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+        DELETE FROM broker.queue_messages m
+        WHERE NOT q.retention AND m.queue_id = q.queue_id AND m.queue_position = ANY (ARRAY(SELECT * FROM picked))
         RETURNING m.*
     ), retained AS (
-        UPDATE broker.queue_messages m SET received_at = now() FROM picked
-        WHERE q.retention AND m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+        UPDATE broker.queue_messages m SET received_at = now()
+        WHERE q.retention AND m.queue_id = q.queue_id AND m.queue_position = ANY (ARRAY(SELECT * FROM picked))
         RETURNING m.*
     ), names AS (  -- of the group's endpoints, once each
         SELECT e.conversation_handle, s.name AS service_name, c.name AS contract_name

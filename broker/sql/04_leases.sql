@@ -125,7 +125,7 @@ BEGIN
         WHERE turn = 1 OR max_bytes IS NULL OR bytes_through <= max_bytes
     ), handed_out AS (
         UPDATE broker.queue_messages m SET delivery_count = m.delivery_count + 1
-        FROM picked WHERE m.queue_id = q.queue_id AND m.queue_position = picked.queue_position
+        WHERE m.queue_id = q.queue_id AND m.queue_position = ANY (ARRAY(SELECT * FROM picked))  -- see broker.receive
         RETURNING m.queue_position
     )
     INSERT INTO broker.leases (lock_token, queue_id, conversation_group_id, queue_positions, expires_at)

@@ -1,0 +1,118 @@
+-- broker.receive and broker.receive_with_lock take the rows they picked by
+-- their positions as an array, one probe of the primary key each: as a join,
+-- the plan kept for the function could scan the whole queue to find them.
+-- CREATE OR REPLACE resets what revision 0012 gave them: it is said again.
+
+CREATE OR REPLACE FUNCTION broker.receive(queue text, max_messages integer DEFAULT 1, conversation_group uuid DEFAULT NULL,
+                                          wait_ms integer DEFAULT 0)
+RETURNS SETOF broker.received_message
+LANGUAGE plpgsql AS $$
+DECLARE
+    q broker.queues := broker._enabled_queue(queue);
+    locked_group uuid;
+BEGIN
+    IF max_messages IS NULL OR max_messages < 1 THEN
+        PERFORM broker._raise('BR050', format('max_messages must be at least 1, got %s', max_messages));
+    END IF;
+    locked_group := broker._wait_for_group(q, conversation_group, broker._require('wait_ms', wait_ms));
+    IF locked_group IS NULL THEN
+        RETURN;
+    END IF;
+    -- Without retention every row of the queue waits (received rows are deleted):
+    -- said so, the walk takes the group index alone, in its order.
+    RETURN QUERY
+    WITH picked AS (
+        SELECT m.queue_position FROM broker.queue_messages m
+        WHERE m.conversation_group_id = locked_group AND (NOT q.retention OR m.received_at IS NULL)
+        ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
+                 m.notice_after IS NOT NULL, m.queue_position
+        LIMIT max_messages
+    ), consumed AS (
+        DELETE FROM broker.queue_messages m
+        WHERE NOT q.retention AND m.queue_id = q.queue_id AND m.queue_position = ANY (ARRAY(SELECT * FROM picked))
+        RETURNING m.*
+    ), retained AS (
+        UPDATE broker.queue_messages m SET received_at = now()
+        WHERE q.retention AND m.queue_id = q.queue_id AND m.queue_position = ANY (ARRAY(SELECT * FROM picked))
+        RETURNING m.*
+    ), names AS (  -- of the group's endpoints, once each
+        SELECT e.conversation_handle, s.name AS service_name, c.name AS contract_name
+        FROM broker.endpoints e
+        JOIN broker.services s ON s.service_id = e.service_id
+        JOIN broker.contracts c ON c.contract_id = e.contract_id
+        WHERE e.conversation_group_id = locked_group
+    )
+    SELECT m.queue_position, m.conversation_group_id, m.conversation_handle, m.conversation_id,
+           m.message_sequence_number, n.service_name, n.contract_name, mt.name, m.body, m.enqueued_at
+    FROM (SELECT * FROM consumed UNION ALL SELECT * FROM retained) m
+    JOIN names n ON n.conversation_handle = m.conversation_handle
+    JOIN broker.message_types mt ON mt.message_type_id = m.message_type_id
+    ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
+             m.notice_after IS NOT NULL, m.queue_position;
+END $$;
+ALTER FUNCTION broker.receive(text, integer, uuid, integer) SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp;
+
+CREATE OR REPLACE FUNCTION broker.receive_with_lock(queue text, max_messages integer, lock_duration interval,
+                                         max_bytes bigint DEFAULT NULL)
+RETURNS SETOF broker.locked_message
+LANGUAGE plpgsql AS $$
+DECLARE
+    q broker.queues := broker._enabled_queue(queue);
+    locked_group uuid;
+    token uuid := gen_random_uuid();
+    expires timestamptz;
+BEGIN
+    IF max_messages IS NULL OR max_messages < 1 THEN
+        PERFORM broker._raise('BR050', format('max_messages must be at least 1, got %s', max_messages));
+    END IF;
+    IF lock_duration IS NULL OR lock_duration <= interval '0' OR lock_duration > interval '1 day' THEN
+        PERFORM broker._raise('BR050', format('lock_duration must be positive and at most a day, got %s',
+            quote_nullable(lock_duration)));
+    END IF;
+    IF max_bytes < 1 THEN
+        PERFORM broker._raise('BR050', format('max_bytes must be at least 1, got %s', max_bytes));
+    END IF;
+    locked_group := broker._wait_for_group(q, NULL, 0);
+    IF locked_group IS NULL THEN
+        RETURN;
+    END IF;
+    expires := clock_timestamp() + lock_duration;
+    WITH next_messages AS (
+        SELECT m.queue_position, coalesce(octet_length(m.body), 0) AS body_bytes,
+               row_number() OVER (ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
+                                           m.notice_after IS NOT NULL, m.queue_position) AS turn
+        FROM broker.queue_messages m
+        WHERE m.conversation_group_id = locked_group AND m.queue_id = q.queue_id AND m.received_at IS NULL
+        ORDER BY turn
+        LIMIT max_messages
+    ), picked AS (
+        SELECT queue_position FROM (
+            SELECT queue_position, turn, sum(body_bytes) OVER (ORDER BY turn) AS bytes_through
+            FROM next_messages) running
+        WHERE turn = 1 OR max_bytes IS NULL OR bytes_through <= max_bytes
+    ), handed_out AS (
+        UPDATE broker.queue_messages m SET delivery_count = m.delivery_count + 1
+        WHERE m.queue_id = q.queue_id AND m.queue_position = ANY (ARRAY(SELECT * FROM picked))  -- see broker.receive
+        RETURNING m.queue_position
+    )
+    INSERT INTO broker.leases (lock_token, queue_id, conversation_group_id, queue_positions, expires_at)
+    SELECT token, q.queue_id, locked_group, array_agg(queue_position), expires FROM handed_out
+    HAVING count(*) > 0;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+
+    RETURN QUERY
+    SELECT token, expires, m.delivery_count, m.queue_position, m.conversation_group_id, m.conversation_handle,
+           m.conversation_id, m.message_sequence_number, s.name, c.name, mt.name, m.body, m.enqueued_at
+    FROM broker.leases l
+    JOIN broker.queue_messages m ON m.queue_id = l.queue_id AND m.queue_position = ANY (l.queue_positions)
+    JOIN broker.endpoints e ON e.conversation_handle = m.conversation_handle
+    JOIN broker.services s ON s.service_id = e.service_id
+    JOIN broker.contracts c ON c.contract_id = e.contract_id
+    JOIN broker.message_types mt ON mt.message_type_id = m.message_type_id
+    WHERE l.lock_token = token
+    ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
+             m.notice_after IS NOT NULL, m.queue_position;
+END $$;
+ALTER FUNCTION broker.receive_with_lock(text, integer, interval, bigint) SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp;
