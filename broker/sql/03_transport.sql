@@ -25,6 +25,10 @@ CREATE TABLE broker.transmission_queue (
     PRIMARY KEY (conversation_handle, message_sequence_number)
 ) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
+-- The few messages whose transmission has failed: an answer from their
+-- destination resets them (broker.apply_transport_results) without a look at
+-- the others.
+CREATE INDEX transmission_queue_failed ON broker.transmission_queue (conversation_handle) WHERE attempts > 0;
 
 CREATE VIEW broker.transmission_queue_status AS
 SELECT t.conversation_handle, t.conversation_id, t.to_service, t.message_sequence_number,
@@ -586,10 +590,23 @@ BEGIN
     JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
                            AND NOT e.far_is_local;
 
-    WITH removed AS (
+    -- The acknowledged rows are found conversation by conversation through the
+    -- primary key (OFFSET 0 keeps the planner from making the lateral subquery
+    -- a join), then deleted where they lie.  As a join, the plan could scan the
+    -- whole transmission queue for every answer: a long queue (a peer down for
+    -- days) would make every batch slower.  A row that another transaction
+    -- changed meanwhile is not deleted: it is sent again, and acknowledged as a
+    -- duplicate.
+    WITH acknowledged_rows AS (
+        SELECT d.ctid
+        FROM unnest(handles, acknowledged) AS a(conversation_handle, acknowledged),
+             LATERAL (SELECT t.ctid FROM broker.transmission_queue t
+                      WHERE t.conversation_handle = a.conversation_handle
+                        AND t.message_sequence_number <= a.acknowledged
+                      OFFSET 0) d
+    ), removed AS (
         DELETE FROM broker.transmission_queue t
-        USING unnest(handles, acknowledged) AS a(conversation_handle, acknowledged)
-        WHERE t.conversation_handle = a.conversation_handle AND t.message_sequence_number <= a.acknowledged
+        WHERE t.ctid = ANY (ARRAY(SELECT r.ctid FROM acknowledged_rows r))
         RETURNING 1
     )
     SELECT count(*) INTO delivered FROM removed;

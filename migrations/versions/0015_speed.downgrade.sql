@@ -1,4 +1,6 @@
--- Back to revision 0014's functions.
+-- Back to revision 0014.
+
+DROP INDEX broker.transmission_queue_failed;
 
 CREATE OR REPLACE FUNCTION broker.receive(queue text, max_messages integer DEFAULT 1, conversation_group uuid DEFAULT NULL,
                                           wait_ms integer DEFAULT 0)
@@ -113,3 +115,60 @@ BEGIN
              m.notice_after IS NOT NULL, m.queue_position;
 END $$;
 ALTER FUNCTION broker.receive_with_lock(text, integer, interval, bigint) SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp;
+
+CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    handles uuid[];
+    acknowledged bigint[];
+    refusals text[];
+    holds text[];
+    result record;
+    delivered bigint;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    WITH sent AS (
+        SELECT b.conversation_id, b.sender_is_initiator, max(b.sequence_number) AS last_sent
+        FROM pg_temp.sent_transport_batch b
+        GROUP BY b.conversation_id, b.sender_is_initiator
+    )
+    SELECT array_agg(e.conversation_handle), array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)),
+           array_agg(CASE WHEN r.refused IS NOT NULL
+                          THEN coalesce(r.refused ->> 'reason', 'no reason given') END),
+           array_agg(r.waiting)
+    INTO handles, acknowledged, refusals, holds
+    FROM jsonb_to_recordset(answer -> 'results')
+         AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, refused jsonb, waiting text)
+    JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
+    JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
+                           AND NOT e.far_is_local;
+
+    WITH removed AS (
+        DELETE FROM broker.transmission_queue t
+        USING unnest(handles, acknowledged) AS a(conversation_handle, acknowledged)
+        WHERE t.conversation_handle = a.conversation_handle AND t.message_sequence_number <= a.acknowledged
+        RETURNING 1
+    )
+    SELECT count(*) INTO delivered FROM removed;
+    -- The far node answered for these: earlier failures no longer apply.
+    UPDATE broker.transmission_queue t
+    SET attempts = 0, transmission_status = 'sent; waiting for the numbers before it to be acknowledged'
+    FROM unnest(handles, refusals, holds) AS a(conversation_handle, refused, waiting)
+    WHERE t.conversation_handle = a.conversation_handle AND a.refused IS NULL AND a.waiting IS NULL
+      AND t.attempts > 0;
+
+    FOR result IN
+        SELECT * FROM unnest(handles, refusals, holds) AS a(conversation_handle, refused, waiting)
+        WHERE a.refused IS NOT NULL OR a.waiting IS NOT NULL
+    LOOP
+        IF result.refused IS NOT NULL THEN
+            PERFORM broker._refused_by_far_side(broker._lock_endpoint(result.conversation_handle), result.refused);
+        ELSE
+            UPDATE broker.transmission_queue
+            SET transmission_status = 'the far node holds it back: ' || result.waiting,
+                attempts = attempts + 1, next_attempt_at = now() + interval '5 seconds'
+            WHERE conversation_handle = result.conversation_handle;
+        END IF;
+    END LOOP;
+    RETURN delivered;
+END $$;

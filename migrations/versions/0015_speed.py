@@ -1,4 +1,4 @@
-"""Speed: receive takes the rows it picked by their positions.
+"""Speed: receive and the relay's answers find their rows through the primary key.
 
 Revision ID: 0015
 Revises: 0014
