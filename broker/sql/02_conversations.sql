@@ -502,13 +502,15 @@ COMMENT ON FUNCTION broker.send(uuid, text, bytea) IS
 -- Locks every local endpoint of the conversations whose handles are given,
 -- conversation by conversation and the initiator's endpoint first: the order
 -- of broker._lock_endpoint and of an arriving batch, so that writers of many
--- conversations at once and writers of one cannot deadlock.
+-- conversations at once and writers of one cannot deadlock.  The
+-- conversations are looked up as an array, one probe of the index each: as a
+-- semi-join, the plan kept for the function could scan every endpoint.
 CREATE FUNCTION broker._lock_conversations(handles uuid[]) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM FROM (SELECT FROM broker.endpoints e
-                  WHERE e.conversation_id IN (SELECT l.conversation_id FROM broker.endpoints l
-                                              WHERE l.conversation_handle = ANY (handles))
+                  WHERE e.conversation_id = ANY (ARRAY(SELECT l.conversation_id FROM broker.endpoints l
+                                                       WHERE l.conversation_handle = ANY (handles)))
                   ORDER BY e.conversation_id, e.is_initiator DESC
                   FOR NO KEY UPDATE) locked;
 END $$;
@@ -569,7 +571,8 @@ BEGIN
         RETURN numbers;
     END IF;
     SELECT count(*) INTO local_messages
-    FROM unnest(conversation_handles) h JOIN broker.endpoints e ON e.conversation_handle = h AND e.far_is_local;
+    FROM unnest(conversation_handles) h JOIN broker.endpoints e ON e.conversation_handle = h AND e.far_is_local
+    WHERE e.conversation_handle = ANY (conversation_handles);
     IF local_messages > 0 THEN
         first_position := broker._next_queue_positions(local_messages);
     END IF;

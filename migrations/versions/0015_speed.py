@@ -1,4 +1,4 @@
-"""Speed: receive and the relay's answers find their rows through the primary key.
+"""Plans that no longer grow with the tables: rows looked up by their keys.
 
 Revision ID: 0015
 Revises: 0014
