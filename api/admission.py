@@ -7,6 +7,7 @@ in another wire version than this node's is answered 415 the same way (broker.tr
 handed on to the route (api.auth); a peer's signature over its body is checked once the body has
 come (api.routes.transport).
 """
+import time
 from uuid import UUID
 
 import anyio
@@ -19,6 +20,10 @@ from broker import api_keys, queries
 from broker.transport import signing, wire
 
 KEY_SCHEME = "bearer "
+# A peer found routed is let in without a look at the database for this long: a batch a second per lane
+# would otherwise cost a query before its body is read.  A route dropped meanwhile takes its secrets with
+# it, so the peer's signature is refused (api.routes.transport).
+ROUTED_FOR_S = 1.0
 
 
 def needs_key(path: str) -> bool:
@@ -61,6 +66,7 @@ class Admission:
     def __init__(self, app, engine):
         self.app = app
         self.engine = engine
+        self.routed_until: dict[str, float] = {}  # only instances found routed: as many as the routes name
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -93,7 +99,7 @@ class Admission:
                                     request.headers.get(signing.SIGNATURE_HEADER))
             except signing.BadSignature as refusal:
                 return bad_signature(refusal, headers=CLOSE)
-            if not await anyio.to_thread.run_sync(self._routed, instance):
+            if not await self._is_routed(instance):
                 return unknown_peer(f"this node has no route to broker instance {instance}")
             content_type = request.headers.get("content-type")
             if path == signing.BATCHES_PATH and not wire.is_ours(content_type):
@@ -103,6 +109,14 @@ class Admission:
     def _verify(self, presented: str):
         with self.engine.connect() as connection:
             return api_keys.verify(connection, presented)
+
+    async def _is_routed(self, instance: str) -> bool:
+        if self.routed_until.get(instance, 0.0) > time.monotonic():
+            return True
+        if not await anyio.to_thread.run_sync(self._routed, instance):
+            return False
+        self.routed_until[instance] = time.monotonic() + ROUTED_FOR_S
+        return True
 
     def _routed(self, instance: str) -> bool:
         with self.engine.connect() as connection:

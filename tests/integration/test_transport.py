@@ -244,6 +244,20 @@ def test_a_request_from_an_unknown_instance_or_with_the_wrong_secret_is_refused(
     assert _stored(b) == []
 
 
+def test_a_peer_whose_route_is_dropped_is_refused_at_once(nodes):
+    """The node lets a peer it found routed in without a query for a second; a route dropped meanwhile
+    takes its secret with it, so the very next batch is refused all the same."""
+    a, b = nodes
+    first = _post(b, a, _encode(b, _batch(uuid.uuid4(), [1])))
+    assert first.status_code == 200
+    with b.engine.begin() as c:
+        broker.drop_route(c, "shop")
+    refused = _post(b, a, _encode(b, _batch(uuid.uuid4(), [1])))
+    assert refused.status_code == 401
+    assert refused.json()["type"] in ("/problems/bad-signature", "/problems/unknown-peer")
+    assert len(_stored(b)) == 1
+
+
 @pytest.mark.parametrize("malformed", [
     lambda b: b"{not json",
     lambda b: b"",
