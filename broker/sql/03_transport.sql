@@ -29,6 +29,9 @@ CREATE TABLE broker.transmission_queue (
 -- destination resets them (broker.apply_transport_results) without a look at
 -- the others.
 CREATE INDEX transmission_queue_failed ON broker.transmission_queue (conversation_handle) WHERE attempts > 0;
+-- A destination's messages, in the order they are sent (broker.transport_batch).
+CREATE INDEX transmission_queue_by_service ON broker.transmission_queue
+    (to_service, conversation_handle, message_sequence_number);
 
 CREATE VIEW broker.transmission_queue_status AS
 SELECT t.conversation_handle, t.conversation_id, t.to_service, t.message_sequence_number,
@@ -507,9 +510,11 @@ COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
 -- The next batch for a destination, as rows of broker.transport_message for
 -- COPY, for the conversations whose handles fall in [first_handle,
 -- last_handle]: a relay splits the conversations among lanes that send at
--- once.  The waiting messages are read in the order of the transmission
--- queue's key, up to max_messages, rather than all of them sorted: a long
--- queue (a peer down for days) costs a batch no more than a short one.  The
+-- once.  The waiting messages are read service by service in the order of
+-- transmission_queue_by_service, up to max_messages each, and the lowest
+-- max_messages of those are taken, rather than all of them sorted: a long
+-- queue costs a batch no more than a short one, and messages waiting for
+-- other destinations (a peer down for days) are not read at all.  The
 -- batch is cut where its bodies and headers reach max_bytes.  The first
 -- message always goes, whatever its size, so that a message at the size limit
 -- still travels alone.  A message's share is its body and the texts that
@@ -530,11 +535,14 @@ BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made ag
                      + octet_length(c.name) + octet_length(mt.name))
                      OVER (ORDER BY due.conversation_handle, due.message_sequence_number) AS bytes_so_far,
                  row_number() OVER (ORDER BY due.conversation_handle, due.message_sequence_number) AS place
-          FROM (SELECT t.* FROM broker.transmission_queue t
-                WHERE t.conversation_handle BETWEEN first_handle AND last_handle
-                  AND t.to_service = ANY (ARRAY(SELECT r.service_name FROM broker.routes r
-                                                WHERE r.address = destination))
-                  AND t.next_attempt_at <= now()
+          FROM (SELECT t.* FROM broker.routes r,
+                     LATERAL (SELECT t.* FROM broker.transmission_queue t
+                              WHERE t.to_service = r.service_name
+                                AND t.conversation_handle BETWEEN first_handle AND last_handle
+                                AND t.next_attempt_at <= now()
+                              ORDER BY t.conversation_handle, t.message_sequence_number
+                              LIMIT max_messages) t
+                WHERE r.address = destination
                 ORDER BY t.conversation_handle, t.message_sequence_number
                 LIMIT max_messages) due
           JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle

@@ -1,6 +1,7 @@
 -- Back to revision 0014.
 
 DROP INDEX broker.transmission_queue_failed;
+DROP INDEX broker.transmission_queue_by_service;
 
 CREATE OR REPLACE FUNCTION broker._lock_conversations(handles uuid[]) RETURNS void
 LANGUAGE plpgsql AS $$
@@ -216,6 +217,36 @@ BEGIN
              m.notice_after IS NOT NULL, m.queue_position;
 END $$;
 ALTER FUNCTION broker.receive_with_lock(text, integer, interval, bigint) SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp;
+
+CREATE OR REPLACE FUNCTION broker.transport_batch(destination text, max_messages integer, max_bytes bigint,
+                                       first_handle uuid, last_handle uuid)
+RETURNS SETOF broker.transport_message
+LANGUAGE plpgsql STABLE AS $$
+BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made again for each
+    RETURN QUERY
+    SELECT sized.conversation_id, sized.is_initiator, sized.from_service, sized.to_service, sized.contract,
+           sized.expires_at, sized.sequence_number, sized.message_type, sized.body
+    FROM (SELECT e.conversation_id, e.is_initiator, s.name AS from_service, e.far_service AS to_service,
+                 c.name AS contract, e.expires_at, due.message_sequence_number AS sequence_number,
+                 mt.name AS message_type, due.body,
+                 sum(80 + coalesce(octet_length(due.body), 0) + octet_length(s.name) + octet_length(e.far_service)
+                     + octet_length(c.name) + octet_length(mt.name))
+                     OVER (ORDER BY due.conversation_handle, due.message_sequence_number) AS bytes_so_far,
+                 row_number() OVER (ORDER BY due.conversation_handle, due.message_sequence_number) AS place
+          FROM (SELECT t.* FROM broker.transmission_queue t
+                WHERE t.conversation_handle BETWEEN first_handle AND last_handle
+                  AND t.to_service = ANY (ARRAY(SELECT r.service_name FROM broker.routes r
+                                                WHERE r.address = destination))
+                  AND t.next_attempt_at <= now()
+                ORDER BY t.conversation_handle, t.message_sequence_number
+                LIMIT max_messages) due
+          JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle
+          JOIN broker.services s ON s.service_id = e.service_id
+          JOIN broker.contracts c ON c.contract_id = e.contract_id
+          JOIN broker.message_types mt ON mt.message_type_id = due.message_type_id) sized
+    WHERE sized.place = 1 OR sized.bytes_so_far <= max_bytes
+    ORDER BY sized.place;
+END $$;
 
 CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS bigint
 LANGUAGE plpgsql AS $$
