@@ -179,7 +179,7 @@ TRANSMISSION_BY_DESTINATION = text(
     " extract(epoch FROM now() - min(t.enqueued_at))::float8 AS oldest_message_age_s, max(t.attempts) AS attempts,"
     " min(t.next_attempt_at) AS next_attempt_at,"
     " (array_agg(t.transmission_status ORDER BY t.enqueued_at))[1] AS status"
-    " FROM broker.transmission_queue t LEFT JOIN broker.routes r ON r.service_name = t.to_service"
+    " FROM broker.transmission_queue_status t LEFT JOIN broker.routes r ON r.service_name = t.to_service"
     " GROUP BY r.address ORDER BY destination")
 UNROUTED_SERVICES = text(
     "SELECT t.to_service, count(*) AS messages FROM broker.transmission_queue t"
@@ -188,7 +188,7 @@ UNROUTED_SERVICES = text(
 FAILING_DESTINATIONS = text(
     "SELECT r.address, count(*) AS messages, max(t.attempts) AS attempts,"
     " (array_agg(t.transmission_status ORDER BY t.attempts DESC))[1] AS status"
-    " FROM broker.transmission_queue t JOIN broker.routes r ON r.service_name = t.to_service"
+    " FROM broker.transmission_queue_status t JOIN broker.routes r ON r.service_name = t.to_service"
     " WHERE t.attempts > 0 GROUP BY r.address ORDER BY r.address")
 WAITING_TO_TRANSMIT = text("SELECT count(*) FROM broker.transmission_queue")
 

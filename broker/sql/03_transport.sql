@@ -33,12 +33,41 @@ CREATE INDEX transmission_queue_failed ON broker.transmission_queue (conversatio
 CREATE INDEX transmission_queue_by_service ON broker.transmission_queue
     (to_service, conversation_handle, message_sequence_number);
 
+-- A destination that could not be reached, per relay lane (the conversations
+-- whose handles fall in [first_handle, last_handle]; a single conversation when
+-- its message alone is too large for the far node): one row, however many
+-- messages wait, so that a peer down for days with a long queue costs each
+-- retry one row.  The next answer from the destination for one of these
+-- conversations removes it (broker.apply_transport_results).
+CREATE TABLE broker.transmission_failures (
+    address          text NOT NULL,
+    first_handle     uuid NOT NULL,
+    last_handle      uuid NOT NULL,
+    attempts         integer NOT NULL,
+    failed_at        timestamptz NOT NULL,
+    next_attempt_at  timestamptz NOT NULL,
+    reason           text NOT NULL,
+    PRIMARY KEY (address, first_handle, last_handle)
+);
+
+-- A message's attempts and status are those of the latest failure that covers
+-- it, or else its own (the far node held its conversation back).
 CREATE VIEW broker.transmission_queue_status AS
 SELECT t.conversation_handle, t.conversation_id, t.to_service, t.message_sequence_number,
-       mt.name AS message_type, octet_length(t.body) AS body_bytes,
-       t.enqueued_at, t.attempts, t.next_attempt_at, t.transmission_status
+       mt.name AS message_type, octet_length(t.body) AS body_bytes, t.enqueued_at,
+       coalesce(f.attempts, t.attempts) AS attempts,
+       coalesce(f.next_attempt_at, t.next_attempt_at) AS next_attempt_at,
+       CASE WHEN f.reason IS NULL THEN t.transmission_status
+            ELSE format('%s (attempt %s, next at %s)', f.reason, f.attempts,
+                        to_char(f.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ')) END AS transmission_status
 FROM broker.transmission_queue t
-JOIN broker.message_types mt USING (message_type_id);
+JOIN broker.message_types mt USING (message_type_id)
+LEFT JOIN LATERAL (SELECT f.* FROM broker.routes r
+                   JOIN broker.transmission_failures f ON f.address = r.address
+                   WHERE r.service_name = t.to_service
+                     AND t.conversation_handle BETWEEN f.first_handle AND f.last_handle
+                   ORDER BY f.failed_at DESC
+                   LIMIT 1) f ON true;
 
 -- One message of a transport batch, as it travels between nodes: a batch is
 -- PostgreSQL's binary COPY format of these rows, written by the sending
@@ -514,7 +543,8 @@ COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
 -- transmission_queue_by_service, up to max_messages each, and the lowest
 -- max_messages of those are taken, rather than all of them sorted: a long
 -- queue costs a batch no more than a short one, and messages waiting for
--- other destinations (a peer down for days) are not read at all.  The
+-- other destinations (a peer down for days) are not read at all, nor those
+-- whose conversations wait for a retry after a failure.  The
 -- batch is cut where its bodies and headers reach max_bytes.  The first
 -- message always goes, whatever its size, so that a message at the size limit
 -- still travels alone.  A message's share is its body and the texts that
@@ -524,6 +554,9 @@ CREATE FUNCTION broker.transport_batch(destination text, max_messages integer, m
                                        first_handle uuid, last_handle uuid)
 RETURNS SETOF broker.transport_message
 LANGUAGE plpgsql STABLE AS $$
+DECLARE  -- conversations held back after a failure: seldom any, so each message is looked at only then
+    holds_back boolean := EXISTS (SELECT 1 FROM broker.transmission_failures f
+                                  WHERE f.address = destination AND f.next_attempt_at > now());
 BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made again for each
     RETURN QUERY
     SELECT sized.conversation_id, sized.is_initiator, sized.from_service, sized.to_service, sized.contract,
@@ -540,6 +573,11 @@ BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made ag
                               WHERE t.to_service = r.service_name
                                 AND t.conversation_handle BETWEEN first_handle AND last_handle
                                 AND t.next_attempt_at <= now()
+                                AND (NOT holds_back
+                                     OR NOT EXISTS (SELECT 1 FROM broker.transmission_failures f
+                                                    WHERE f.address = destination AND f.next_attempt_at > now()
+                                                      AND t.conversation_handle
+                                                          BETWEEN f.first_handle AND f.last_handle))
                               ORDER BY t.conversation_handle, t.message_sequence_number
                               LIMIT max_messages) t
                 WHERE r.address = destination
@@ -619,6 +657,13 @@ BEGIN
     )
     SELECT count(*) INTO delivered FROM removed;
     -- The far node answered for these: earlier failures no longer apply.
+    IF EXISTS (SELECT 1 FROM broker.transmission_failures) THEN
+        DELETE FROM broker.transmission_failures f
+        WHERE f.next_attempt_at <= now()
+          AND f.address IN (SELECT r.address FROM broker.routes r
+                            WHERE r.service_name IN (SELECT b.to_service FROM pg_temp.sent_transport_batch b))
+          AND EXISTS (SELECT 1 FROM unnest(handles) h WHERE h BETWEEN f.first_handle AND f.last_handle);
+    END IF;
     UPDATE broker.transmission_queue t
     SET attempts = 0, transmission_status = 'sent; waiting for the numbers before it to be acknowledged'
     FROM unnest(handles, refusals, holds) AS a(conversation_handle, refused, waiting)
@@ -641,18 +686,18 @@ BEGIN
     RETURN delivered;
 END $$;
 
--- A destination could not be reached: every message of one lane of a relay
--- waiting for it gets the reason in words and its next attempt after the
--- relay's back-off.
+-- A destination could not be reached: the conversations of one lane of a relay
+-- (or a single one) waiting for it get the reason in words and their next
+-- attempt after the relay's back-off, in one row however many messages wait.
+-- Failures of addresses no longer routed to are forgotten.
 CREATE FUNCTION broker.record_transport_failure(destination text, first_handle uuid, last_handle uuid, reason text,
                                                 retry_after interval) RETURNS void
 LANGUAGE sql AS $$
-    UPDATE broker.transmission_queue t
-    SET attempts = t.attempts + 1,
-        next_attempt_at = now() + retry_after,
-        transmission_status = format('%s (attempt %s, next at %s)', reason, t.attempts + 1,
-                                     to_char(now() + retry_after, 'YYYY-MM-DD HH24:MI:SS TZ'))
-    FROM broker.routes r
-    WHERE r.service_name = t.to_service AND r.address = destination
-      AND t.conversation_handle BETWEEN first_handle AND last_handle
+    DELETE FROM broker.transmission_failures f
+    WHERE NOT EXISTS (SELECT 1 FROM broker.routes r WHERE r.address = f.address);
+    INSERT INTO broker.transmission_failures AS f
+    VALUES (destination, first_handle, last_handle, 1, now(), now() + retry_after, reason)
+    ON CONFLICT (address, first_handle, last_handle) DO UPDATE
+    SET attempts = f.attempts + 1, failed_at = excluded.failed_at, next_attempt_at = excluded.next_attempt_at,
+        reason = excluded.reason;
 $$;

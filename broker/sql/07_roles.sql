@@ -88,7 +88,8 @@ GRANT SELECT ON broker.node, broker.routes, broker.message_types, broker.contrac
                 broker.queues, broker.services, broker.service_contracts, broker.leases
     TO broker_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON broker.endpoints, broker.conversation_groups, broker.queue_messages,
-                                        broker.transmission_queue, broker.forgotten_conversations
+                                        broker.transmission_queue, broker.transmission_failures,
+                                        broker.forgotten_conversations
     TO broker_relay;
 
 ------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def test_a_message_the_far_node_never_takes_holds_back_its_conversation_alone(no
     _assert_arrived_in_order(b, 20, 3, 1 * KB, timeout_s=60)
     # the others may arrive before the lane has tried the large message on its own
     wait_for(lambda: "over that node's limit of 262144 bytes" in a.scalar(
-        "SELECT string_agg(DISTINCT transmission_status, '; ') FROM broker.transmission_queue"
+        "SELECT string_agg(DISTINCT transmission_status, '; ') FROM broker.transmission_queue_status"
         " WHERE conversation_handle = :h", h=stuck), 30, "the large message refused on its own (HTTP 413)")
     wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 2, 30,
              "the acknowledgements of everything but the two held back")

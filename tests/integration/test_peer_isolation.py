@@ -210,7 +210,7 @@ def test_a_peers_answer_cannot_settle_another_peers_conversation(nodes, verdict)
     finally:
         peer.close()
     with a.engine.connect() as c:
-        waiting = c.execute(text("SELECT message_sequence_number, transmission_status FROM broker.transmission_queue"
+        waiting = c.execute(text("SELECT message_sequence_number, transmission_status FROM broker.transmission_queue_status"
                                  " WHERE conversation_handle = :h ORDER BY 1"), {"h": for_b}).all()
     assert [n for n, _ in waiting] == [1, 2, 3]
     assert not any("holds it back" in (status or "") for _, status in waiting)
@@ -235,7 +235,7 @@ def test_a_malformed_answer_is_a_failure_of_that_peer_alone(nodes, results):
         with a.engine.begin() as c:
             broker.create_route(c, "rogue", peer.address, instance, ROGUE_SECRET)
             broker.send(c, broker.begin_dialog(c, "shop", "rogue", "orders"), "order.note", "{}")
-        status = wait_for(lambda: a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue"
+        status = wait_for(lambda: a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status"
                                            " WHERE to_service = 'rogue' AND attempts > 0"), 30,
                           "the malformed answer to be recorded as a failure")
         assert f"the answer from {peer.address} is malformed" in status
@@ -269,7 +269,7 @@ def test_an_answer_counts_only_for_the_request_it_answers(nodes):
         wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the first answer")
         with a.engine.begin() as c:
             broker.send(c, handle, "order.note", json.dumps({"line": 2}))
-        status = wait_for(lambda: a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue"
+        status = wait_for(lambda: a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status"
                                            " WHERE attempts > 0"), 30, "the replayed answer to be refused")
         assert "not signed by the peer" in status
     finally:

@@ -118,6 +118,7 @@ def test_a_peer_down_for_a_while_gets_everything_in_order_when_it_returns(nodes)
     for messages in at_b.values():
         assert [(m.message_sequence_number, m.body) for m in messages] == [(i, str(i).encode()) for i in range(1, 11)]
     wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the queue to drain")
+    assert a.scalar("SELECT count(*) FROM broker.transmission_failures") == 0  # answered: the failures are gone
 
 
 def test_a_lifetime_that_ends_while_the_peer_is_down_gives_broker_error_on_both_sides(nodes):
@@ -290,7 +291,7 @@ def test_nodes_serve_tls_and_a_relay_refuses_a_peer_it_cannot_verify(tls_nodes):
     assert message.body == b"over TLS"
     with b.engine.begin() as c:
         broker.send(c, message.conversation_handle, "order.note", "reply")
-    status = wait_for(lambda: b.scalar("SELECT min(transmission_status) FROM broker.transmission_queue"
+    status = wait_for(lambda: b.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status"
                                        " WHERE attempts > 0"), 15, "b's failed attempt to be recorded")
     assert "CERTIFICATE_VERIFY_FAILED" in status
     with pytest.raises(httpx.HTTPError):

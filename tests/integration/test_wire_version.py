@@ -83,11 +83,11 @@ def test_a_relay_facing_another_wire_version_keeps_its_messages_and_diagnose_say
             handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
             for line in (1, 2, 3):
                 broker.send(c, handle, "order.note", str(line))
-        wait_for(lambda: a.scalar("SELECT min(attempts) FROM broker.transmission_queue") >= 2, 30,
+        wait_for(lambda: a.scalar("SELECT min(attempts) FROM broker.transmission_queue_status") >= 2, 30,
                  "the relay to try again after its backoff")
         assert far.requests[0].headers["Content-Type"] == wire.BATCH_MEDIA_TYPE
         assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 3
-        status = a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue")
+        status = a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status")
         assert f"{far.address} speaks another wire version (HTTP 415)" in status
         assert f"it takes wire version {OTHER_VERSION}, this node sends wire version {wire.WIRE_VERSION}" in status
 
