@@ -840,7 +840,10 @@ END $$;
 -- and what is returned comes from the rows consumed (or kept, with retention)
 -- rather than from reading them again.  The picked rows are consumed by their
 -- positions as an array, one probe of the primary key each: as a join, the
--- plan kept for the function may scan the whole queue to find them.
+-- plan kept for the function may scan the whole queue to find them.  The
+-- names that go with each message are looked up once per endpoint of the
+-- group, and the message types by key: joined row by row, they took a sixth of
+-- a receive of 100.
 CREATE OR REPLACE FUNCTION broker.receive(queue text, max_messages integer DEFAULT 1, conversation_group uuid DEFAULT NULL,
                                           wait_ms integer DEFAULT 0)
 RETURNS SETOF broker.received_message
@@ -873,18 +876,19 @@ BEGIN
         UPDATE broker.queue_messages m SET received_at = now()
         WHERE q.retention AND m.queue_id = q.queue_id AND m.queue_position = ANY (ARRAY(SELECT * FROM picked))
         RETURNING m.*
-    ), names AS (  -- of the group's endpoints, once each
-        SELECT e.conversation_handle, s.name AS service_name, c.name AS contract_name
+    ), names AS MATERIALIZED (  -- of the group's endpoints, once each
+        SELECT e.conversation_handle,
+               (SELECT s.name FROM broker.services s WHERE s.service_id = e.service_id) AS service_name,
+               (SELECT c.name FROM broker.contracts c WHERE c.contract_id = e.contract_id) AS contract_name
         FROM broker.endpoints e
-        JOIN broker.services s ON s.service_id = e.service_id
-        JOIN broker.contracts c ON c.contract_id = e.contract_id
         WHERE e.conversation_group_id = locked_group
     )
     SELECT m.queue_position, m.conversation_group_id, m.conversation_handle, m.conversation_id,
-           m.message_sequence_number, n.service_name, n.contract_name, mt.name, m.body, m.enqueued_at
+           m.message_sequence_number, n.service_name, n.contract_name,
+           (SELECT mt.name FROM broker.message_types mt WHERE mt.message_type_id = m.message_type_id), m.body,
+           m.enqueued_at
     FROM (SELECT * FROM consumed UNION ALL SELECT * FROM retained) m
     JOIN names n ON n.conversation_handle = m.conversation_handle
-    JOIN broker.message_types mt ON mt.message_type_id = m.message_type_id
     ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
              m.notice_after IS NOT NULL, m.queue_position;
 END $$;
