@@ -350,7 +350,8 @@ CREATE FUNCTION broker._transmit_error(sender broker.endpoints, error_code integ
 RETURNS bigint
 LANGUAGE plpgsql AS $$
 BEGIN
-    DELETE FROM broker.transmission_queue t WHERE t.conversation_handle = sender.conversation_handle;
+    DELETE FROM broker.transmission_queue t
+    WHERE t.to_service = sender.far_service AND t.conversation_handle = sender.conversation_handle;
     RETURN broker._transmit(sender, broker._message_type('broker.error'),
                             broker._error_body(error_code, error_description));
 END $$;
@@ -971,7 +972,8 @@ DECLARE
     e broker.endpoints := broker._lock_endpoint(conversation_handle);
 BEGIN
     IF cleanup THEN
-        DELETE FROM broker.transmission_queue t WHERE t.conversation_handle = e.conversation_handle;
+        DELETE FROM broker.transmission_queue t
+        WHERE t.to_service = e.far_service AND t.conversation_handle = e.conversation_handle;
         PERFORM broker._close_endpoint(e);
         RETURN;
     END IF;

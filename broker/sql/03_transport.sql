@@ -22,16 +22,16 @@ CREATE TABLE broker.transmission_queue (
     attempts                 integer NOT NULL DEFAULT 0,
     next_attempt_at          timestamptz NOT NULL DEFAULT now(),
     transmission_status      text NOT NULL DEFAULT 'waiting for its first transmission',
-    PRIMARY KEY (conversation_handle, message_sequence_number)
+    -- A destination's messages in the order they are sent (broker.transport_batch):
+    -- a batch reads its own destination's messages and no others.  to_service is
+    -- the sending endpoint's far_service, which every lookup by conversation gives.
+    PRIMARY KEY (to_service, conversation_handle, message_sequence_number)
 ) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
 -- The few messages whose transmission has failed: an answer from their
 -- destination resets them (broker.apply_transport_results) without a look at
 -- the others.
 CREATE INDEX transmission_queue_failed ON broker.transmission_queue (conversation_handle) WHERE attempts > 0;
--- A destination's messages, in the order they are sent (broker.transport_batch).
-CREATE INDEX transmission_queue_by_service ON broker.transmission_queue
-    (to_service, conversation_handle, message_sequence_number);
 
 -- A destination that could not be reached, per relay lane (the conversations
 -- whose handles fall in [first_handle, last_handle]; a single conversation when
@@ -140,7 +140,7 @@ END $$;
 CREATE FUNCTION broker._refused_by_far_side(e broker.endpoints, reason text) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
-    DELETE FROM broker.transmission_queue WHERE conversation_handle = e.conversation_handle;
+    DELETE FROM broker.transmission_queue WHERE to_service = e.far_service AND conversation_handle = e.conversation_handle;
     IF e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
         UPDATE broker.endpoints SET state = 'error', timer_at = NULL WHERE conversation_handle = e.conversation_handle;
         PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id,
@@ -540,7 +540,7 @@ COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
 -- COPY, for the conversations whose handles fall in [first_handle,
 -- last_handle]: a relay splits the conversations among lanes that send at
 -- once.  The waiting messages are read service by service in the order of
--- transmission_queue_by_service, up to max_messages each, and the lowest
+-- the primary key, up to max_messages each, and the lowest
 -- max_messages of those are taken, rather than all of them sorted: a long
 -- queue costs a batch no more than a short one, and messages waiting for
 -- other destinations (a peer down for days) are not read at all, nor those
@@ -613,6 +613,7 @@ CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS 
 LANGUAGE plpgsql AS $$
 DECLARE
     handles uuid[];
+    services text[];
     acknowledged bigint[];
     refusals text[];
     holds text[];
@@ -625,11 +626,12 @@ BEGIN
         FROM pg_temp.sent_transport_batch b
         GROUP BY b.conversation_id, b.sender_is_initiator
     )
-    SELECT array_agg(e.conversation_handle), array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)),
+    SELECT array_agg(e.conversation_handle), array_agg(e.far_service),
+           array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)),
            array_agg(CASE WHEN r.refused IS NOT NULL
                           THEN coalesce(r.refused ->> 'reason', 'no reason given') END),
            array_agg(r.waiting)
-    INTO handles, acknowledged, refusals, holds
+    INTO handles, services, acknowledged, refusals, holds
     FROM jsonb_to_recordset(answer -> 'results')
          AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, refused jsonb, waiting text)
     JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
@@ -645,9 +647,9 @@ BEGIN
     -- duplicate.
     WITH acknowledged_rows AS (
         SELECT d.ctid
-        FROM unnest(handles, acknowledged) AS a(conversation_handle, acknowledged),
+        FROM unnest(handles, services, acknowledged) AS a(conversation_handle, to_service, acknowledged),
              LATERAL (SELECT t.ctid FROM broker.transmission_queue t
-                      WHERE t.conversation_handle = a.conversation_handle
+                      WHERE t.to_service = a.to_service AND t.conversation_handle = a.conversation_handle
                         AND t.message_sequence_number <= a.acknowledged
                       OFFSET 0) d
     ), removed AS (
@@ -671,7 +673,7 @@ BEGIN
       AND t.attempts > 0;
 
     FOR result IN
-        SELECT * FROM unnest(handles, refusals, holds) AS a(conversation_handle, refused, waiting)
+        SELECT * FROM unnest(handles, services, refusals, holds) AS a(conversation_handle, to_service, refused, waiting)
         WHERE a.refused IS NOT NULL OR a.waiting IS NOT NULL
     LOOP
         IF result.refused IS NOT NULL THEN
@@ -680,7 +682,7 @@ BEGIN
             UPDATE broker.transmission_queue
             SET transmission_status = 'the far node holds it back: ' || result.waiting,
                 attempts = attempts + 1, next_attempt_at = now() + interval '5 seconds'
-            WHERE conversation_handle = result.conversation_handle;
+            WHERE to_service = result.to_service AND conversation_handle = result.conversation_handle;
         END IF;
     END LOOP;
     RETURN delivered;
