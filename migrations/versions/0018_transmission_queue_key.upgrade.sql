@@ -127,13 +127,10 @@ BEGIN
     )
     SELECT count(*) INTO delivered FROM removed;
     -- The far node answered for these: earlier failures no longer apply.
-    IF EXISTS (SELECT 1 FROM broker.transmission_failures) THEN
-        DELETE FROM broker.transmission_failures f
-        WHERE f.next_attempt_at <= now()
-          AND f.address IN (SELECT r.address FROM broker.routes r
-                            WHERE r.service_name IN (SELECT b.to_service FROM pg_temp.sent_transport_batch b))
-          AND EXISTS (SELECT 1 FROM unnest(handles) h WHERE h BETWEEN f.first_handle AND f.last_handle);
-    END IF;
+    DELETE FROM broker.transmission_failures f
+    WHERE f.next_attempt_at <= now()
+      AND f.address IN (SELECT r.address FROM broker.routes r WHERE r.service_name = ANY (services))
+      AND EXISTS (SELECT 1 FROM unnest(handles) h WHERE h BETWEEN f.first_handle AND f.last_handle);
     UPDATE broker.transmission_queue t
     SET attempts = 0, transmission_status = 'sent; waiting for the numbers before it to be acknowledged'
     FROM unnest(handles, refusals, holds) AS a(conversation_handle, refused, waiting)
