@@ -7,6 +7,7 @@ with its traceback.
 """
 import logging
 import traceback
+from typing import Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
@@ -46,6 +47,8 @@ class ProblemDetails(BaseModel):
     hint: str | None = None
     expected_sequence_number: int | None = Field(None, description="with sequence-conflict: the number that comes next")
     limit_bytes: int | None = Field(None, description="with too-large for a request: the node's limit")
+    reason: Literal["expired", "completed", "abandoned", "unknown"] | None = Field(None, description=(
+        "with lock-lost: why the lock was lost (unknown: it never existed, or ended more than an hour ago)"))
 
 
 class Problem(Exception):
@@ -79,8 +82,9 @@ def from_problem(error: Problem) -> JSONResponse:
 def from_broker_error(error: errors.BrokerError) -> JSONResponse:
     status, kind, title = BY_ERROR_CLASS[type(error)]
     expected = error.expected_sequence_number if isinstance(error, errors.SequenceConflict) else None
+    reason = error.reason if isinstance(error, errors.LockLost) else None
     return problem(status, kind, title, error.message, sqlstate=error.sqlstate, hint=error.hint,
-                   expected_sequence_number=expected)
+                   expected_sequence_number=expected, reason=reason)
 
 
 def internal_error(method: str, path: str, error: Exception) -> JSONResponse:

@@ -194,6 +194,13 @@ def complete_lock(executor: Executor, lock_token: UUID) -> int:
     return _call(executor, "SELECT broker.complete_lock(:token)", token=lock_token).scalar_one()
 
 
+def renew_lock(executor: Executor, lock_token: UUID, lock_duration: timedelta) -> datetime:
+    """Extends a live lease to lock_duration from now; returns its new expiry. Raises LockLost, with why, when
+    it is not live."""
+    return _call(executor, "SELECT broker.renew_lock(:token, :lock_duration)",
+                 token=lock_token, lock_duration=lock_duration).scalar_one()
+
+
 def abandon_lock(executor: Executor, lock_token: UUID) -> bool:
     """Hands a lease's messages back now; returns True when the failure quarantined the conversation."""
     return _call(executor, "SELECT broker.abandon_lock(:token)", token=lock_token).scalar_one()

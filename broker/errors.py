@@ -81,6 +81,12 @@ class LockLost(BrokerError):
     a session that does not hold the run's lock."""
 
     sqlstates = ("BR060",)
+    REASONS = ("expired", "completed", "abandoned", "unknown")
+
+    @property
+    def reason(self) -> str | None:
+        """Why a lease's lock was lost: one of REASONS (None for an ingest lock)."""
+        return self.detail if self.detail in self.REASONS else None
 
 
 class CheckpointMoved(BrokerError):

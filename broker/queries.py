@@ -122,8 +122,12 @@ QUEUE_STATUS = text(
     " extract(epoch FROM oldest_message_age)::float8 AS oldest_message_age_s, readers, dead_letters"
     " FROM broker.queue_status WHERE CAST(:queue AS text) IS NULL OR queue_name = :queue ORDER BY queue_name")
 QUEUE_ID = text("SELECT queue_id FROM broker.queues WHERE name = :queue")
-QUEUE_OF_LOCK = text("SELECT q.name FROM broker.leases l JOIN broker.queues q USING (queue_id)"
-                     " WHERE l.lock_token = :token")
+QUEUE_OF_LOCK = text("""
+    SELECT q.name FROM broker.queues q
+    WHERE q.queue_id IN (SELECT l.queue_id FROM broker.leases l WHERE l.lock_token = :token
+                         UNION ALL
+                         SELECT e.queue_id FROM broker.ended_leases e WHERE e.lock_token = :token)
+""")
 ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
 SERVICES_OF_ENDPOINTS = text("SELECT conversation_handle, service_name FROM broker.conversation_endpoints"
                              " WHERE conversation_handle = ANY(CAST(:handles AS uuid[]))")
@@ -142,7 +146,7 @@ def queue_id(connection: Connection, queue: str) -> int | None:
 
 
 def queue_of_lock(connection: Connection, lock_token: UUID) -> str | None:
-    """The queue whose lease the lock token is, while the lease lives."""
+    """The queue whose lease the lock token is, or was while its ending is kept."""
     return connection.execute(QUEUE_OF_LOCK, {"token": lock_token}).scalar()
 
 

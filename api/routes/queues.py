@@ -2,9 +2,9 @@
 
 A REST reader cannot hold a transaction open, so it holds a conversation
 group by a lease: receive hands out the group's next messages under a
-lock_token; complete consumes them; abandon, or letting the lock expire,
-hands them out again with a higher delivery_count and counts toward the
-queue's poison threshold.
+lock_token; renew holds it longer; complete consumes them; abandon, or
+letting the lock expire, hands them out again with a higher delivery_count
+and counts toward the queue's poison threshold.
 """
 import asyncio
 import time
@@ -69,6 +69,17 @@ class Received(BaseModel):
 
 class Completed(BaseModel):
     completed: int = Field(description="messages consumed")
+
+
+class RenewRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"lock_s": 60}]})
+
+    lock_s: Number = Field(30, ge=0.01, le=86400, description="the lock holds this long from now")
+
+
+class Renewed(BaseModel):
+    lock_token: UUID
+    lock_expires_at: datetime
 
 
 class Abandoned(BaseModel):
@@ -170,6 +181,19 @@ def complete_lock(lock_token: UUID, request: Request, key: ApiKey = Depends(api_
         completed = broker.complete_lock(connection, lock_token)
     API_COMPLETED.labels(queue).inc(completed)
     return Completed(completed=completed)
+
+
+@router.post("/v1/locks/{lock_token}/renew", response_model=Renewed, summary="Hold a lock longer",
+             responses=error_responses(400, 409, *READS_BODY))
+def renew_lock(lock_token: UUID, request: Request, options: RenewRequest | None = None,
+               key: ApiKey = Depends(api_key)) -> Renewed:
+    """Extends a live lock to lock_s from now, so that long work keeps its messages without an expiry
+    counting toward the poison threshold. A lock already lost answers lock-lost with its reason."""
+    options = options or RenewRequest()
+    with request.app.state.engine.begin() as connection:
+        _locked_queue(connection, key, lock_token)
+        expires = broker.renew_lock(connection, lock_token, timedelta(seconds=options.lock_s))
+    return Renewed(lock_token=lock_token, lock_expires_at=expires)
 
 
 @router.post("/v1/locks/{lock_token}/abandon", response_model=Abandoned, summary="Hand a lock's messages back",

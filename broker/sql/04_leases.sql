@@ -36,6 +36,20 @@ CREATE TABLE broker.leases (
     created_at             timestamptz NOT NULL DEFAULT now()
 );
 
+-- How each lease ended, kept for an hour after it was recorded, so that a late
+-- call with its token is told why the lock is lost: a client that retries a
+-- complete whose answer it lost learns that the messages were consumed.  For
+-- an expiry, ended_at is when the lease ran out, which may be long before a
+-- reader found it expired.
+CREATE TABLE broker.ended_leases (
+    lock_token   uuid PRIMARY KEY,
+    queue_id     integer NOT NULL REFERENCES broker.queues ON DELETE CASCADE,
+    how          text NOT NULL CHECK (how IN ('expired', 'completed', 'abandoned')),
+    ended_at     timestamptz NOT NULL,
+    recorded_at  timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX ended_leases_recorded ON broker.ended_leases (recorded_at);
+
 CREATE TYPE broker.locked_message AS (
     lock_token               uuid,
     lock_expires_at          timestamptz,
@@ -58,24 +72,78 @@ LANGUAGE sql STABLE AS $$
                    WHERE conversation_group_id = group_id AND expires_at > clock_timestamp())
 $$;
 
+-- Records how a lease ended and forgets up to ten endings recorded more than
+-- an hour ago, passing over any that another session is forgetting: each
+-- ending makes room for itself, so the table stays as large as an hour of
+-- leases.
+CREATE FUNCTION broker._record_lease_end(token uuid, queue_id integer, how text, ended_at timestamptz)
+RETURNS void
+LANGUAGE sql AS $$
+    WITH forgotten AS (
+        SELECT e.lock_token FROM broker.ended_leases e
+        WHERE e.recorded_at < clock_timestamp() - interval '1 hour'
+        ORDER BY e.recorded_at
+        LIMIT 10
+        FOR UPDATE SKIP LOCKED
+    )
+    DELETE FROM broker.ended_leases e USING forgotten WHERE e.lock_token = forgotten.lock_token;
+    INSERT INTO broker.ended_leases (lock_token, queue_id, how, ended_at) VALUES (token, queue_id, how, ended_at);
+$$;
+
 -- With the group's row locked: true when no live lease holds the group.  An
 -- expired lease is ended here and counted as a processing failure.
 CREATE FUNCTION broker._free_of_lease(q broker.queues, group_id uuid) RETURNS boolean
 LANGUAGE plpgsql AS $$
+DECLARE
+    expired broker.leases;
 BEGIN
-    DELETE FROM broker.leases WHERE conversation_group_id = group_id AND expires_at <= clock_timestamp();
+    DELETE FROM broker.leases WHERE conversation_group_id = group_id AND expires_at <= clock_timestamp()
+    RETURNING * INTO expired;
     IF FOUND THEN
+        PERFORM broker._record_lease_end(expired.lock_token, expired.queue_id, 'expired', expired.expires_at);
         PERFORM broker.report_processing_failure(q.name, group_id, 'the lock expired before it was completed');
         RETURN true;
     END IF;
     RETURN NOT EXISTS (SELECT 1 FROM broker.leases WHERE conversation_group_id = group_id);
 END $$;
 
+-- Raises BR060 for a lock that is not live, saying why: its DETAIL is one of
+-- expired, completed, abandoned or unknown (never made, or ended more than an
+-- hour ago), for a client to act on.
 CREATE FUNCTION broker._lock_lost(lock_token uuid) RETURNS void
-LANGUAGE sql AS $$
-    SELECT broker._raise('BR060', format('lock %s is lost: it expired, was completed or abandoned, or never existed',
-        lock_token), 'receive again: messages not completed come back with a higher delivery_count')
-$$;
+LANGUAGE plpgsql AS $$
+DECLARE
+    how text;
+    ended timestamptz;
+BEGIN
+    SELECT 'expired', l.expires_at INTO how, ended FROM broker.leases l WHERE l.lock_token = _lock_lost.lock_token;
+    IF NOT FOUND THEN
+        SELECT e.how, e.ended_at INTO how, ended FROM broker.ended_leases e WHERE e.lock_token = _lock_lost.lock_token;
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = 'BR060', DETAIL = coalesce(how, 'unknown'),
+        MESSAGE = format('lock %s is lost: %s', lock_token, CASE how
+            WHEN 'expired' THEN format('it expired at %s', ended)
+            WHEN 'completed' THEN format('it was completed at %s', ended)
+            WHEN 'abandoned' THEN format('it was abandoned at %s', ended)
+            ELSE 'no lock with this token is known (it never existed, or it ended more than an hour ago)' END),
+        HINT = CASE how
+            WHEN 'completed' THEN 'its messages were consumed: nothing is left to do with this lock'
+            WHEN 'abandoned' THEN 'its messages were handed back: receive again'
+            ELSE 'receive again: messages not completed come back with a higher delivery_count; '
+                 'renew a lock before it expires to hold it longer' END;
+END $$;
+
+-- When a lock of lock_duration taken now ends; BR050 for a duration that is
+-- not positive or longer than a day.
+CREATE FUNCTION broker._lock_expiry(lock_duration interval) RETURNS timestamptz
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF lock_duration IS NULL OR lock_duration <= interval '0' OR lock_duration > interval '1 day' THEN
+        PERFORM broker._raise('BR050', format('lock_duration must be positive and at most a day, got %s',
+            quote_nullable(lock_duration)));
+    END IF;
+    RETURN clock_timestamp() + lock_duration;
+END $$;
 
 -- Locks the next conversation group of a queue by a lease of lock_duration
 -- and returns its messages in order, each with the lease's token: up to
@@ -98,10 +166,7 @@ BEGIN
     IF max_messages IS NULL OR max_messages < 1 THEN
         PERFORM broker._raise('BR050', format('max_messages must be at least 1, got %s', max_messages));
     END IF;
-    IF lock_duration IS NULL OR lock_duration <= interval '0' OR lock_duration > interval '1 day' THEN
-        PERFORM broker._raise('BR050', format('lock_duration must be positive and at most a day, got %s',
-            quote_nullable(lock_duration)));
-    END IF;
+    expires := broker._lock_expiry(lock_duration);
     IF max_bytes < 1 THEN
         PERFORM broker._raise('BR050', format('max_bytes must be at least 1, got %s', max_bytes));
     END IF;
@@ -109,7 +174,6 @@ BEGIN
     IF locked_group IS NULL THEN
         RETURN;
     END IF;
-    expires := clock_timestamp() + lock_duration;
     WITH next_messages AS (
         SELECT m.queue_position, coalesce(octet_length(m.body), 0) AS body_bytes,
                row_number() OVER (ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
@@ -177,6 +241,7 @@ BEGIN
     END IF;
     GET DIAGNOSTICS consumed = ROW_COUNT;
     DELETE FROM broker.leases l WHERE l.lock_token = lease.lock_token;
+    PERFORM broker._record_lease_end(lease.lock_token, lease.queue_id, 'completed', clock_timestamp());
     RETURN consumed;
 END $$;
 COMMENT ON FUNCTION broker.complete_lock(uuid) IS
@@ -194,9 +259,29 @@ BEGIN
     IF NOT FOUND THEN
         PERFORM broker._lock_lost(lock_token);
     END IF;
+    PERFORM broker._record_lease_end(lease.lock_token, lease.queue_id, 'abandoned', clock_timestamp());
     PERFORM pg_notify('broker_queue', lease.queue_id::text);
     RETURN broker.report_processing_failure((SELECT name FROM broker.queues WHERE queue_id = lease.queue_id),
                                             lease.conversation_group_id, 'the lock was abandoned');
 END $$;
 COMMENT ON FUNCTION broker.abandon_lock(uuid) IS
     'Returns the messages of a lease to the queue now; counts toward the poison threshold.';
+
+-- Extends a live lease to lock_duration from now (a reader with long work
+-- renews before the lock runs out, and no expiry counts against the
+-- conversation); returns the new expiry.  A lock already lost raises BR060
+-- with why.  Renewing does not hand out messages again: delivery_count stays.
+CREATE FUNCTION broker.renew_lock(lock_token uuid, lock_duration interval) RETURNS timestamptz
+LANGUAGE plpgsql AS $$
+DECLARE
+    expires timestamptz := broker._lock_expiry(lock_duration);
+BEGIN
+    UPDATE broker.leases l SET expires_at = expires
+    WHERE l.lock_token = broker._require('lock_token', renew_lock.lock_token) AND l.expires_at > clock_timestamp();
+    IF NOT FOUND THEN
+        PERFORM broker._lock_lost(lock_token);
+    END IF;
+    RETURN expires;
+END $$;
+COMMENT ON FUNCTION broker.renew_lock(uuid, interval) IS
+    'Extends a live lease to lock_duration from now and returns its new expiry; BR060 with why when it is lost.';

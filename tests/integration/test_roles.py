@@ -25,7 +25,7 @@ PSQL = POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION] / "psql"
 SCENARIO = Path(__file__).parents[1] / "sql" / "scenario.sql"
 
 ENTRY_POINTS = {"begin_dialog", "send", "send_numbered", "send_numbered_batch", "send_batch", "receive", "receive_with_lock",
-                "complete_lock", "abandon_lock", "get_conversation_group", "end_conversation",
+                "complete_lock", "abandon_lock", "renew_lock", "get_conversation_group", "end_conversation",
                 "begin_conversation_timer", "report_processing_failure"}
 SEARCH_PATH = ["search_path=broker, pg_catalog, pg_temp"]
 STATUS_VIEWS = {"queue_status", "conversation_endpoints", "transmission_queue_status"}
