@@ -119,11 +119,14 @@ def drop_route(executor: Executor, service_name: str) -> None:
 
 
 def begin_dialog(executor: Executor, from_service: str, to_service: str, contract: str, *,
-                 lifetime: timedelta | None = None, related_conversation_group: UUID | None = None) -> UUID:
-    """Begins a conversation and returns the initiator's conversation handle."""
-    return _call(executor, "SELECT broker.begin_dialog(:from_service, :to_service, :contract, :lifetime, :group)",
+                 lifetime: timedelta | None = None, related_conversation_group: UUID | None = None,
+                 related_conversation: UUID | None = None) -> UUID:
+    """Begins a conversation and returns the initiator's conversation handle. It joins the group given, or
+    that of the local conversation side related_conversation."""
+    return _call(executor, "SELECT broker.begin_dialog(:from_service, :to_service, :contract, :lifetime, :group,"
+                           " :related)",
                  from_service=from_service, to_service=to_service, contract=contract, lifetime=lifetime,
-                 group=related_conversation_group).scalar_one()
+                 group=related_conversation_group, related=related_conversation).scalar_one()
 
 
 def send(executor: Executor, conversation_handle: UUID, message_type: str, body: bytes | str | None = None) -> int:
@@ -165,27 +168,32 @@ def send_numbered_batch(executor: Executor, messages: Sequence[tuple[UUID, int, 
                  bodies=[_as_bytes(body) for _, _, _, body in messages]).scalar_one()
 
 
-def receive(executor: Executor, queue: str, max_messages: int = 1, *, conversation_group: UUID | None = None,
-            wait_ms: int = 0) -> list[ReceivedMessage]:
-    """Locks one conversation group and returns up to max_messages of its messages in order.
+def receive(executor: Executor, queue: str, max_messages: int | None = 1, *, conversation_group: UUID | None = None,
+            wait_ms: int = 0, conversation_handle: UUID | None = None) -> list[ReceivedMessage]:
+    """Locks one conversation group (the one given, or that of the conversation given) and returns up to
+    max_messages of its messages in order (None: all of them; only the given conversation's, when one is
+    given). wait_ms -1 waits until a message comes.
 
     The messages are consumed when the caller commits and come back on rollback.
     """
-    rows = _call(executor, "SELECT * FROM broker.receive(:queue, :max_messages, :group, :wait_ms)",
-                 queue=queue, max_messages=max_messages, group=conversation_group, wait_ms=wait_ms)
+    rows = _call(executor, "SELECT * FROM broker.receive(:queue, :max_messages, :group, :wait_ms, :handle)",
+                 queue=queue, max_messages=max_messages, group=conversation_group, wait_ms=wait_ms,
+                 handle=conversation_handle)
     return [ReceivedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows]
 
 
 def receive_with_lock(executor: Executor, queue: str, max_messages: int, lock_duration: timedelta,
-                      max_bytes: int | None = None) -> list[LockedMessage]:
+                      max_bytes: int | None = None, conversation_handle: UUID | None = None) -> list[LockedMessage]:
     """Leases one conversation group for lock_duration and returns its next messages (peek-lock): at most
-    max_messages and, when given, max_bytes of bodies (but always the first message, however large).
+    max_messages and, when given, max_bytes of bodies (but always the first message, however large); only
+    those of conversation_handle, and its group, when one is given.
 
     They stay in the queue until complete_lock; abandon_lock or expiry hands them out again.
     """
     rows = _call(executor, "SELECT * FROM broker.receive_with_lock(:queue, :max_messages, :lock_duration,"
-                           " :max_bytes)",
-                 queue=queue, max_messages=max_messages, lock_duration=lock_duration, max_bytes=max_bytes)
+                           " :max_bytes, :handle)",
+                 queue=queue, max_messages=max_messages, lock_duration=lock_duration, max_bytes=max_bytes,
+                 handle=conversation_handle)
     return [LockedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows]
 
 
@@ -207,6 +215,8 @@ def abandon_lock(executor: Executor, lock_token: UUID) -> bool:
 
 
 def get_conversation_group(executor: Executor, queue: str, wait_ms: int = 0) -> UUID | None:
+    """Locks the next conversation group with messages until the transaction ends (wait_ms -1: waits until
+    there is one) and returns it, or None."""
     return _call(executor, "SELECT broker.get_conversation_group(:queue, :wait_ms)",
                  queue=queue, wait_ms=wait_ms).scalar_one()
 

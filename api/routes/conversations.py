@@ -33,6 +33,9 @@ class BeginConversation(BaseModel):
     lifetime_s: integer(gt=0, le=10 * 365 * 86400) | None = Field(None,
                                    description="end the conversation with broker.error (-1) after this long")
     related_conversation_group: UUID | None = Field(None, description="join an existing conversation group")
+    related_conversation: UUID | None = Field(None, description=(
+        "join the group of this conversation side, which is in from_service's queue (instead of "
+        "related_conversation_group)"))
 
 
 class Conversation(BaseModel):
@@ -128,7 +131,8 @@ def begin_conversation(begin: BeginConversation, request: Request, key: ApiKey =
     lifetime = timedelta(seconds=begin.lifetime_s) if begin.lifetime_s else None
     with request.app.state.engine.begin() as connection:
         handle = broker.begin_dialog(connection, begin.from_service, begin.to_service, begin.contract,
-                                     lifetime=lifetime, related_conversation_group=begin.related_conversation_group)
+                                     lifetime=lifetime, related_conversation_group=begin.related_conversation_group,
+                                     related_conversation=begin.related_conversation)
         return _endpoint(connection, handle)._asdict()
 
 

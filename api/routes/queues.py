@@ -43,6 +43,8 @@ class ReceiveRequest(BaseModel):
     lock_s: Number = Field(30, ge=0.01, le=86400, description="how long the lock holds before the messages come back")
     max_bytes: integer(ge=1, le=2**53 - 1) = Field(4 * 1024 * 1024, description=(
         "at most this many bytes of bodies, as stored; the first message comes whatever its size"))
+    conversation_handle: UUID | None = Field(None, description=(
+        "only this conversation's messages (the receiving side's handle), its group locked"))
 
 
 class Message(BaseModel):
@@ -100,7 +102,7 @@ class QueueStatus(BaseModel):
 def _lease(engine, queue: str, options: ReceiveRequest) -> list[broker.LockedMessage]:
     with engine.begin() as connection:
         return broker.receive_with_lock(connection, queue, options.max_messages, timedelta(seconds=options.lock_s),
-                                        options.max_bytes)
+                                        options.max_bytes, options.conversation_handle)
 
 
 def _queue_id(engine, queue: str) -> int:

@@ -377,8 +377,12 @@ END $$;
 -- Conversation API
 ------------------------------------------------------------------------------
 
+-- The new conversation joins the group of related_conversation_group, or of
+-- the local conversation side related_conversation (Service Broker's
+-- RELATED_CONVERSATION), which must be in the initiating service's queue.
 CREATE FUNCTION broker.begin_dialog(from_service text, to_service text, contract text,
-                                    lifetime interval DEFAULT NULL, related_conversation_group uuid DEFAULT NULL)
+                                    lifetime interval DEFAULT NULL, related_conversation_group uuid DEFAULT NULL,
+                                    related_conversation uuid DEFAULT NULL)
 RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -394,6 +398,16 @@ DECLARE
 BEGIN
     IF lifetime <= interval '0' THEN
         PERFORM broker._raise('BR050', format('lifetime must be positive, got %s', lifetime));
+    END IF;
+    IF related_conversation IS NOT NULL THEN
+        IF related_conversation_group IS NOT NULL THEN
+            PERFORM broker._raise('BR050', 'give related_conversation or related_conversation_group, not both');
+        END IF;
+        SELECT e.conversation_group_id INTO group_id FROM broker.endpoints e
+        WHERE e.conversation_handle = related_conversation;
+        IF NOT FOUND THEN
+            PERFORM broker._raise('BR005', format('unknown conversation %s', related_conversation));
+        END IF;
     END IF;
     SELECT * INTO target_service FROM broker.services WHERE name = broker._require('to_service', to_service);
     IF FOUND THEN
@@ -431,7 +445,7 @@ BEGIN
     END IF;
     RETURN handle;
 END $$;
-COMMENT ON FUNCTION broker.begin_dialog(text, text, text, interval, uuid) IS
+COMMENT ON FUNCTION broker.begin_dialog(text, text, text, interval, uuid, uuid) IS
     'Begins a conversation from a local service to a local or routed service; returns the initiator''s handle.';
 
 -- A conversation with a remote far side (the common case) is locked, numbered
@@ -804,19 +818,23 @@ BEGIN
     END LOOP;
 END $$;
 
--- Waits up to wait_ms for a group with messages and locks it.  Sleeps with a
--- growing interval (5 ms to 100 ms) while nothing is there: notifications
+-- Waits up to wait_ms (-1: until there is one) for a group with messages and
+-- locks it: the requested group when one is given, and then only once it has
+-- messages of the requested conversation when one is given too.  Sleeps with
+-- a growing interval (5 ms to 100 ms) while nothing is there: notifications
 -- cannot reach a session inside a transaction.  A group found at the head of
 -- the queue has messages, so only a requested group is looked at again.
-CREATE OR REPLACE FUNCTION broker._wait_for_group(q broker.queues, requested_group uuid, wait_ms integer) RETURNS uuid
+CREATE FUNCTION broker._wait_for_group(q broker.queues, requested_group uuid, requested_handle uuid,
+                                       wait_ms integer) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
-    deadline timestamptz := clock_timestamp() + make_interval(secs => wait_ms / 1000.0);
+    deadline timestamptz := CASE WHEN wait_ms <> -1 THEN clock_timestamp() + make_interval(secs => wait_ms / 1000.0) END;
     pause double precision := 0.005;
     locked_group uuid;
 BEGIN
-    IF wait_ms < 0 THEN
-        PERFORM broker._raise('BR050', format('wait_ms must not be negative, got %s', wait_ms));
+    IF wait_ms < -1 THEN
+        PERFORM broker._raise('BR050', format('wait_ms must be -1 (wait until a message comes) or more, got %s',
+            wait_ms));
     END IF;
     -- Marks this transaction as a reader of the queue (see broker.queue_status).
     PERFORM pg_advisory_xact_lock_shared(1651663723, q.queue_id);
@@ -825,14 +843,37 @@ BEGIN
         locked_group := broker._lock_group(q, requested_group);
         IF locked_group IS NOT NULL AND (requested_group IS NULL OR EXISTS (
                 SELECT 1 FROM broker.queue_messages
-                WHERE conversation_group_id = locked_group AND queue_id = q.queue_id AND received_at IS NULL)) THEN
+                WHERE conversation_group_id = locked_group AND queue_id = q.queue_id AND received_at IS NULL
+                  AND (requested_handle IS NULL OR conversation_handle = requested_handle))) THEN
             RETURN locked_group;
         END IF;
-        EXIT WHEN clock_timestamp() >= deadline;
+        EXIT WHEN clock_timestamp() >= deadline;  -- never when there is no deadline
         PERFORM pg_sleep(least(pause, extract(epoch FROM deadline - clock_timestamp())));
         pause := least(pause * 2, 0.1);
     END LOOP;
     RETURN NULL;
+END $$;
+
+-- The group to receive from: that of the conversation side handle when one is
+-- given (BR005 when this queue holds no such side; BR050 when group_id is given
+-- too and is not its group), else group_id.
+CREATE FUNCTION broker._receiving_group(q broker.queues, group_id uuid, handle uuid) RETURNS uuid
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    handle_group uuid;
+BEGIN
+    IF handle IS NULL THEN
+        RETURN group_id;
+    END IF;
+    SELECT e.conversation_group_id INTO handle_group FROM broker.endpoints e
+    WHERE e.conversation_handle = handle AND e.queue_id = q.queue_id;
+    IF NOT FOUND THEN
+        PERFORM broker._raise('BR005', format('unknown conversation %s in queue %L', handle, q.name));
+    END IF;
+    IF handle_group <> group_id THEN
+        PERFORM broker._raise('BR050', format('conversation %s is not in conversation group %s', handle, group_id));
+    END IF;
+    RETURN handle_group;
 END $$;
 
 -- A group's messages are picked by the group alone (a group belongs to one
@@ -844,19 +885,24 @@ END $$;
 -- plan kept for the function may scan the whole queue to find them.  The
 -- names that go with each message are looked up once per endpoint of the
 -- group, and the message types by key: joined row by row, they took a sixth of
--- a receive of 100.
-CREATE OR REPLACE FUNCTION broker.receive(queue text, max_messages integer DEFAULT 1, conversation_group uuid DEFAULT NULL,
-                                          wait_ms integer DEFAULT 0)
+-- a receive of 100.  As in Service Broker, a receive may name the conversation
+-- (only its messages come, its group locked), take the whole group
+-- (max_messages NULL) and wait until something comes (wait_ms -1).
+CREATE FUNCTION broker.receive(queue text, max_messages integer DEFAULT 1, conversation_group uuid DEFAULT NULL,
+                               wait_ms integer DEFAULT 0, conversation_handle uuid DEFAULT NULL)
 RETURNS SETOF broker.received_message
 LANGUAGE plpgsql AS $$
 DECLARE
     q broker.queues := broker._enabled_queue(queue);
+    requested_group uuid := broker._receiving_group(q, conversation_group, conversation_handle);
     locked_group uuid;
 BEGIN
-    IF max_messages IS NULL OR max_messages < 1 THEN
-        PERFORM broker._raise('BR050', format('max_messages must be at least 1, got %s', max_messages));
+    IF max_messages < 1 THEN
+        PERFORM broker._raise('BR050', format('max_messages must be at least 1 (or NULL for the whole group), got %s',
+            max_messages));
     END IF;
-    locked_group := broker._wait_for_group(q, conversation_group, broker._require('wait_ms', wait_ms));
+    locked_group := broker._wait_for_group(q, requested_group, conversation_handle,
+                                           broker._require('wait_ms', wait_ms));
     IF locked_group IS NULL THEN
         RETURN;
     END IF;
@@ -866,6 +912,7 @@ BEGIN
     WITH picked AS (
         SELECT m.queue_position FROM broker.queue_messages m
         WHERE m.conversation_group_id = locked_group AND (NOT q.retention OR m.received_at IS NULL)
+          AND (receive.conversation_handle IS NULL OR m.conversation_handle = receive.conversation_handle)
         ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
                  m.notice_after IS NOT NULL, m.queue_position
         LIMIT max_messages
@@ -893,12 +940,12 @@ BEGIN
     ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
              m.notice_after IS NOT NULL, m.queue_position;
 END $$;
-COMMENT ON FUNCTION broker.receive(text, integer, uuid, integer) IS
-    'Locks one conversation group of a queue and returns up to max_messages of its messages in order; they are consumed when the caller commits.';
+COMMENT ON FUNCTION broker.receive(text, integer, uuid, integer, uuid) IS
+    'Locks one conversation group of a queue (or the one given, or that of the conversation given) and returns up to max_messages (NULL: all) of its messages in order; they are consumed when the caller commits.';
 
 CREATE FUNCTION broker.get_conversation_group(queue text, wait_ms integer DEFAULT 0) RETURNS uuid
 LANGUAGE sql AS $$
-    SELECT broker._wait_for_group(broker._enabled_queue(queue), NULL, broker._require('wait_ms', wait_ms))
+    SELECT broker._wait_for_group(broker._enabled_queue(queue), NULL, NULL, broker._require('wait_ms', wait_ms))
 $$;
 COMMENT ON FUNCTION broker.get_conversation_group(text, integer) IS
     'Locks the next conversation group with messages until the transaction ends and returns it (NULL if none).';

@@ -152,13 +152,15 @@ END $$;
 -- alone.  Each conversation's messages come in the order of
 -- broker.queue_messages_in_order, and there is no lease when nothing was left
 -- to hand out (the conversation was ended after its group was locked).
+-- Given a conversation_handle, only that conversation's messages come.
 -- Nothing is consumed until broker.complete_lock.
 CREATE FUNCTION broker.receive_with_lock(queue text, max_messages integer, lock_duration interval,
-                                         max_bytes bigint DEFAULT NULL)
+                                         max_bytes bigint DEFAULT NULL, conversation_handle uuid DEFAULT NULL)
 RETURNS SETOF broker.locked_message
 LANGUAGE plpgsql AS $$
 DECLARE
     q broker.queues := broker._enabled_queue(queue);
+    requested_group uuid := broker._receiving_group(q, NULL, conversation_handle);
     locked_group uuid;
     token uuid := gen_random_uuid();
     expires timestamptz;
@@ -170,7 +172,7 @@ BEGIN
     IF max_bytes < 1 THEN
         PERFORM broker._raise('BR050', format('max_bytes must be at least 1, got %s', max_bytes));
     END IF;
-    locked_group := broker._wait_for_group(q, NULL, 0);
+    locked_group := broker._wait_for_group(q, requested_group, conversation_handle, 0);
     IF locked_group IS NULL THEN
         RETURN;
     END IF;
@@ -180,6 +182,8 @@ BEGIN
                                            m.notice_after IS NOT NULL, m.queue_position) AS turn
         FROM broker.queue_messages m
         WHERE m.conversation_group_id = locked_group AND m.queue_id = q.queue_id AND m.received_at IS NULL
+          AND (receive_with_lock.conversation_handle IS NULL
+               OR m.conversation_handle = receive_with_lock.conversation_handle)
         ORDER BY turn
         LIMIT max_messages
     ), picked AS (
@@ -212,7 +216,7 @@ BEGIN
     ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
              m.notice_after IS NOT NULL, m.queue_position;
 END $$;
-COMMENT ON FUNCTION broker.receive_with_lock(text, integer, interval, bigint) IS
+COMMENT ON FUNCTION broker.receive_with_lock(text, integer, interval, bigint, uuid) IS
     'Peek-lock: leases one conversation group and returns its next messages, at most max_messages and (but for '
     'the first) max_bytes of bodies; complete_lock consumes them.';
 
