@@ -268,6 +268,19 @@ def revoke_key(key_id: str = typer.Argument(..., help="the key id that 'broker k
 
 
 @app.command()
+def purge(queue: str = typer.Argument(..., help="the queue to empty"),
+          yes: bool = typer.Option(False, "--yes", help="do not ask first")) -> None:
+    """Delete every message waiting in a queue and end its locks; its conversations go on without them."""
+    from broker.core import purge_queue
+
+    if not yes:
+        typer.confirm(f"Delete every message waiting in queue {visible(queue)!r}?", abort=True)
+    with database_engine() as engine, engine.begin() as connection:
+        purged = purge_queue(connection, queue)
+    console.print(f"purged {purged} messages from {visible(queue)!r}", markup=False, highlight=False)
+
+
+@app.command()
 def status(as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
     """Show queues, conversations by state, the transmission queue by destination, ingests and dead letters."""
     import json

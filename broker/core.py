@@ -227,6 +227,18 @@ def end_conversation(executor: Executor, conversation_handle: UUID, *, error_cod
           handle=conversation_handle, code=error_code, description=error_description, cleanup=cleanup)
 
 
+def move_conversation(executor: Executor, conversation_handle: UUID, conversation_group: UUID) -> None:
+    """Moves one side of a conversation, and its waiting messages, to another group of its queue (made when it
+    does not exist). Raises InUse while a live lease holds either group."""
+    _call(executor, "SELECT broker.move_conversation(:handle, :group)",
+          handle=conversation_handle, group=conversation_group)
+
+
+def purge_queue(executor: Executor, queue: str) -> int:
+    """Deletes every message waiting in a queue and ends its leases; returns how many messages it deleted."""
+    return _call(executor, "SELECT broker.purge_queue(:queue)", queue=queue).scalar_one()
+
+
 def begin_conversation_timer(executor: Executor, conversation_handle: UUID, timeout: timedelta) -> None:
     _call(executor, "SELECT broker.begin_conversation_timer(:handle, :timeout)",
           handle=conversation_handle, timeout=timeout)

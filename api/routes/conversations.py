@@ -111,6 +111,13 @@ class EndConversation(BaseModel):
     error_description: Text | None = Field(None, max_length=4000)
 
 
+class MoveConversation(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"conversation_group": "5b0c7a3e-8f1d-4c2b-9a6e-1d2f3c4b5a69"}]})
+
+    conversation_group: UUID = Field(description="a group of the same queue; one that does not exist yet is made")
+
+
 def _endpoint(connection: Connection, handle: UUID):
     endpoint = queries.endpoint(connection, handle)
     if endpoint is None:
@@ -189,4 +196,17 @@ def end_conversation(conversation_handle: UUID, request: Request, end: EndConver
         _sending_endpoint(connection, key, conversation_handle)
         broker.end_conversation(connection, conversation_handle, error_code=end.error_code,
                                 error_description=end.error_description)
+        return _endpoint(connection, conversation_handle)._asdict()
+
+
+@router.post("/{conversation_handle}/move", response_model=Conversation, summary="Move a conversation to another group",
+             responses=error_responses(400, 404, 409, *READS_BODY))
+def move_conversation(conversation_handle: UUID, move: MoveConversation, request: Request,
+                      key: ApiKey = Depends(api_key)) -> Any:
+    """Moves this side of the conversation, and its waiting messages, to another conversation group of its
+    queue (Service Broker's MOVE CONVERSATION): from then on they are locked and received with that group.
+    409 in-use while a lock holds either group."""
+    with request.app.state.engine.begin() as connection:
+        require(key, f"receive:{_endpoint(connection, conversation_handle).queue_name}")
+        broker.move_conversation(connection, conversation_handle, move.conversation_group)
         return _endpoint(connection, conversation_handle)._asdict()

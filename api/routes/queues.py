@@ -88,6 +88,10 @@ class Abandoned(BaseModel):
     quarantined: bool = Field(description="true when this failure reached the poison threshold")
 
 
+class Purged(BaseModel):
+    purged: int = Field(description="messages deleted")
+
+
 class QueueStatus(BaseModel):
     queue_name: str
     status: str = Field(examples=["enabled"])
@@ -224,3 +228,13 @@ def get_queue_status(queue: NamePath, request: Request, key: ApiKey = Depends(ap
     if row is None:
         raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
     return QueueStatus(**row._mapping)
+
+
+@router.post("/v1/queues/{queue}/purge", response_model=Purged, summary="Delete every message waiting in a queue",
+             responses=error_responses(404, 422))
+def purge_queue(queue: NamePath, request: Request, key: ApiKey = Depends(api_key)) -> Purged:
+    """Deletes every message waiting in the queue and ends its locks (needs the admin scope). The
+    conversations go on without those messages."""
+    require(key, "admin")
+    with request.app.state.engine.begin() as connection:
+        return Purged(purged=broker.purge_queue(connection, queue))

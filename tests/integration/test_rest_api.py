@@ -285,7 +285,9 @@ def test_keys_are_checked_on_every_route(api, engine, admin):
               ("post", f"/v1/conversations/{handle}/messages", {"message_type": "order.note"}),
               ("post", f"/v1/conversations/{handle}/end", {}), ("post", RECEIVE, {}),
               ("post", f"/v1/locks/{lock}/complete", None), ("post", f"/v1/locks/{lock}/abandon", None),
-              ("post", f"/v1/locks/{lock}/renew", None), ("get", "/v1/queues", None), ("get", "/v1/queues/warehouse_queue", None),
+              ("post", f"/v1/locks/{lock}/renew", None), ("get", "/v1/queues", None),
+              ("post", f"/v1/conversations/{handle}/move", {"conversation_group": handle}),
+              ("post", "/v1/queues/warehouse_queue/purge", None), ("get", "/v1/queues/warehouse_queue", None),
               ("get", "/v1/transmission-queue", None), ("get", "/v1/message-types", None),
               ("get", "/v1/contracts", None), ("get", "/v1/services", None), ("get", "/v1/routes", None),
               ("get", "/metrics", None)]
@@ -440,11 +442,13 @@ def test_the_openapi_document_shows_every_route_with_examples(api):
     assert {"/v1/conversations", "/v1/conversations/{conversation_handle}",
             "/v1/conversations/{conversation_handle}/messages", "/v1/conversations/{conversation_handle}/end",
             "/v1/queues/{queue}/receive", "/v1/locks/{lock_token}/complete", "/v1/locks/{lock_token}/abandon",
-            "/v1/locks/{lock_token}/renew", "/v1/queues", "/v1/queues/{queue}", "/v1/transmission-queue", "/v1/message-types", "/v1/contracts",
+            "/v1/locks/{lock_token}/renew", "/v1/conversations/{conversation_handle}/move",
+            "/v1/queues/{queue}/purge", "/v1/queues", "/v1/queues/{queue}", "/v1/transmission-queue", "/v1/message-types", "/v1/contracts",
             "/v1/services", "/v1/routes", "/healthz", "/readyz", "/metrics"} <= paths
     assert not any(path.startswith("/transport") for path in paths)
     schemas = document["components"]["schemas"]
-    for model in ("BeginConversation", "SendMessage", "ReceiveRequest", "RenewRequest", "EndConversation"):
+    for model in ("BeginConversation", "SendMessage", "ReceiveRequest", "RenewRequest", "MoveConversation",
+                  "EndConversation"):
         assert schemas[model].get("examples"), model
     # Named operations, and every error the one ProblemDetails component (a generated client is
     # exercised in test_openapi_client.py).

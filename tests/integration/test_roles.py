@@ -25,8 +25,8 @@ PSQL = POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION] / "psql"
 SCENARIO = Path(__file__).parents[1] / "sql" / "scenario.sql"
 
 ENTRY_POINTS = {"begin_dialog", "send", "send_numbered", "send_numbered_batch", "send_batch", "receive", "receive_with_lock",
-                "complete_lock", "abandon_lock", "renew_lock", "get_conversation_group", "end_conversation",
-                "begin_conversation_timer", "report_processing_failure"}
+                "complete_lock", "abandon_lock", "renew_lock", "get_conversation_group", "move_conversation",
+                "end_conversation", "begin_conversation_timer", "report_processing_failure"}
 SEARCH_PATH = ["search_path=broker, pg_catalog, pg_temp"]
 STATUS_VIEWS = {"queue_status", "conversation_endpoints", "transmission_queue_status"}
 TRANSPORT_FUNCTIONS = {"transport_batch", "apply_transport_results", "record_transport_failure",
@@ -51,6 +51,7 @@ REFUSED_TO_APPLICATION = [
      "function create_route"),
     ("SELECT broker.drop_queue('shop_queue')", "function drop_queue"),
     ("SELECT broker.alter_queue('shop_queue', false)", "function alter_queue"),
+    ("SELECT broker.purge_queue('shop_queue')", "function purge_queue"),
     ("SELECT * FROM broker.transport_batch('http://h', 10, 1000, NULL, NULL)", "function transport_batch"),
     ("SELECT broker.accept_transport_batch(gen_random_uuid())", "function accept_transport_batch"),
     ("SELECT broker.apply_transport_results('{}')", "function apply_transport_results"),
