@@ -11,6 +11,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from api.admission import Admission
 from api.arrivals import Arrivals
@@ -102,13 +103,17 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
 
     @app.exception_handler(HTTPException)
     async def http_problem(request: Request, error: HTTPException):
-        """Starlette's own refusals: no such route, a method the route does not take."""
+        """Starlette's own refusals: no such route, a method the route does not take. Starlette's Allow names
+        the methods of the first route at the path only; a path served by several routes allows them all."""
         where = f"{request.method} {request.url.path}"
+        headers = error.headers
+        if error.status_code == 405:
+            headers = {**(headers or {}), "Allow": _methods_at(app, request)}
         detail = {404: f"this node serves no {where}",
-                  405: f"{where} is not served; {request.url.path} takes {(error.headers or {}).get('Allow')}"
+                  405: f"{where} is not served; {request.url.path} takes {(headers or {}).get('Allow')}"
                   }.get(error.status_code, f"{where}: {error.detail}")
         return problem(error.status_code, "http-error", HTTPStatus(error.status_code).phrase, detail,
-                       headers=error.headers)
+                       headers=headers)
 
     @app.exception_handler(UnicodeEncodeError)
     async def unstorable_text(request: Request, error: UnicodeEncodeError):
@@ -123,6 +128,13 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
                        "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()[:5]))
 
     return app
+
+
+def _methods_at(app: FastAPI, request: Request) -> str:
+    """The methods of every route whose path matches the request's."""
+    methods = {method for route in app.router.routes if route.matches(request.scope)[0] != Match.NONE
+               for method in getattr(route, "methods", None) or ()}
+    return ", ".join(sorted(methods))
 
 
 def _operation_id(route: APIRoute) -> str:

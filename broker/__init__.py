@@ -19,6 +19,7 @@ from broker.core import (
     drop_service,
     end_conversation,
     get_conversation_group,
+    get_conversation_group_state,
     move_conversation,
     purge_queue,
     receive,
@@ -29,6 +30,7 @@ from broker.core import (
     send_batch,
     send_numbered,
     send_numbered_batch,
+    set_conversation_group_state,
 )
 from broker.errors import (
     AlreadyExists,
@@ -52,6 +54,7 @@ __all__ = [
     "UnknownObject", "ValidationFailed", "abandon_lock", "alter_queue", "begin_conversation_timer", "begin_dialog",
     "complete_lock", "create_contract", "create_message_type", "create_queue", "create_route", "create_service",
     "drop_contract", "drop_message_type", "drop_queue", "drop_route", "drop_service", "end_conversation",
-    "get_conversation_group", "move_conversation", "purge_queue", "receive", "receive_with_lock", "renew_lock",
-    "report_processing_failure", "send", "send_batch", "send_numbered", "send_numbered_batch",
+    "get_conversation_group", "get_conversation_group_state", "move_conversation", "purge_queue", "receive",
+    "receive_with_lock", "renew_lock", "report_processing_failure", "send", "send_batch", "send_numbered",
+    "send_numbered_batch", "set_conversation_group_state",
 ]

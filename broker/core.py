@@ -234,6 +234,21 @@ def move_conversation(executor: Executor, conversation_handle: UUID, conversatio
           handle=conversation_handle, group=conversation_group)
 
 
+def get_conversation_group_state(executor: Executor, conversation_group: UUID,
+                                 lock_token: UUID | None = None) -> Any:
+    """The state kept for a conversation group that the caller holds (by its transaction, or by lock_token), as
+    JSON values, or None. Holds the group until the transaction ends; raises InUse when another reader holds it."""
+    return _call(executor, "SELECT broker.get_conversation_group_state(:group, :token)",
+                 group=conversation_group, token=lock_token).scalar_one()
+
+
+def set_conversation_group_state(executor: Executor, conversation_group: UUID, state: Any,
+                                 lock_token: UUID | None = None) -> None:
+    """Keeps state (any JSON value; None forgets it) for a conversation group that the caller holds."""
+    _call(executor, "SELECT broker.set_conversation_group_state(:group, CAST(:state AS jsonb), :token)",
+          group=conversation_group, state=None if state is None else json.dumps(state), token=lock_token)
+
+
 def purge_queue(executor: Executor, queue: str) -> int:
     """Deletes every message waiting in a queue and ends its leases; returns how many messages it deleted."""
     return _call(executor, "SELECT broker.purge_queue(:queue)", queue=queue).scalar_one()

@@ -128,6 +128,7 @@ QUEUE_OF_LOCK = text("""
                          UNION ALL
                          SELECT e.queue_id FROM broker.ended_leases e WHERE e.lock_token = :token)
 """)
+GROUP_OF_LOCK = text("SELECT conversation_group_id FROM broker.leases WHERE lock_token = :token")
 ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
 SERVICES_OF_ENDPOINTS = text("SELECT conversation_handle, service_name FROM broker.conversation_endpoints"
                              " WHERE conversation_handle = ANY(CAST(:handles AS uuid[]))")
@@ -148,6 +149,11 @@ def queue_id(connection: Connection, queue: str) -> int | None:
 def queue_of_lock(connection: Connection, lock_token: UUID) -> str | None:
     """The queue whose lease the lock token is, or was while its ending is kept."""
     return connection.execute(QUEUE_OF_LOCK, {"token": lock_token}).scalar()
+
+
+def group_of_lock(connection: Connection, lock_token: UUID) -> UUID | None:
+    """The conversation group a lease holds, while the lease is kept."""
+    return connection.execute(GROUP_OF_LOCK, {"token": lock_token}).scalar()
 
 
 def endpoint(connection: Connection, handle: UUID) -> Row | None:

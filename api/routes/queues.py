@@ -84,6 +84,13 @@ class Renewed(BaseModel):
     lock_expires_at: datetime
 
 
+class GroupState(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"state": {"step": "paid"}}]})
+
+    state: Any = Field(None, description="any JSON value kept for the lock's conversation group; null when none "
+                                         "(a PUT of null forgets it)")
+
+
 class Abandoned(BaseModel):
     quarantined: bool = Field(description="true when this failure reached the poison threshold")
 
@@ -200,6 +207,29 @@ def renew_lock(lock_token: UUID, request: Request, options: RenewRequest | None 
         _locked_queue(connection, key, lock_token)
         expires = broker.renew_lock(connection, lock_token, timedelta(seconds=options.lock_s))
     return Renewed(lock_token=lock_token, lock_expires_at=expires)
+
+
+@router.get("/v1/locks/{lock_token}/state", response_model=GroupState, summary="The state of a lock's group",
+            responses=error_responses(409, 422))
+def get_group_state(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> GroupState:
+    """The state kept for the conversation group this live lock holds (null when none)."""
+    with request.app.state.engine.begin() as connection:
+        _locked_queue(connection, key, lock_token)
+        group = queries.group_of_lock(connection, lock_token)
+        return GroupState(state=broker.get_conversation_group_state(connection, group, lock_token))
+
+
+@router.put("/v1/locks/{lock_token}/state", response_model=GroupState, summary="Keep state for a lock's group",
+            responses=error_responses(409, *READS_BODY))
+def set_group_state(lock_token: UUID, update: GroupState, request: Request,
+                    key: ApiKey = Depends(api_key)) -> GroupState:
+    """Keeps state for the conversation group this live lock holds, until it is set again (null forgets it):
+    the next reader of the group reads it, as Service Bus sessions keep theirs."""
+    with request.app.state.engine.begin() as connection:
+        _locked_queue(connection, key, lock_token)
+        group = queries.group_of_lock(connection, lock_token)
+        broker.set_conversation_group_state(connection, group, update.state, lock_token)
+    return update
 
 
 @router.post("/v1/locks/{lock_token}/abandon", response_model=Abandoned, summary="Hand a lock's messages back",

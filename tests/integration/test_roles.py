@@ -26,7 +26,8 @@ SCENARIO = Path(__file__).parents[1] / "sql" / "scenario.sql"
 
 ENTRY_POINTS = {"begin_dialog", "send", "send_numbered", "send_numbered_batch", "send_batch", "receive", "receive_with_lock",
                 "complete_lock", "abandon_lock", "renew_lock", "get_conversation_group", "move_conversation",
-                "end_conversation", "begin_conversation_timer", "report_processing_failure"}
+                "end_conversation", "begin_conversation_timer", "report_processing_failure",
+                "get_conversation_group_state", "set_conversation_group_state"}
 SEARCH_PATH = ["search_path=broker, pg_catalog, pg_temp"]
 STATUS_VIEWS = {"queue_status", "conversation_endpoints", "transmission_queue_status"}
 TRANSPORT_FUNCTIONS = {"transport_batch", "apply_transport_results", "record_transport_failure",
@@ -411,6 +412,7 @@ def test_relay_logins_carry_a_conversation_between_two_databases(database_url, s
         with b_application.begin() as c:
             at_warehouse = broker.receive(c, "warehouse_queue", 10)
             assert [(m.message_sequence_number, m.body) for m in at_warehouse] == [(1, b"1"), (2, b"2"), (3, b"3")]
+            broker.set_conversation_group_state(c, at_warehouse[0].conversation_group_id, {"applied": 3})
             broker.send(c, at_warehouse[0].conversation_handle, "order.ack")
             broker.end_conversation(c, at_warehouse[0].conversation_handle)
         assert _carry(b_relay, a_relay, "http://a.example", b_instance) == 2
@@ -425,6 +427,7 @@ def test_relay_logins_carry_a_conversation_between_two_databases(database_url, s
                 c.execute(text("UPDATE broker.node SET closed_endpoint_retention = '0'"))
             _rows(relay, "SELECT broker.forget_closed_endpoints(100)")
             assert _scalar(admin, "SELECT count(*) FROM broker.endpoints") == 0
+            assert _scalar(admin, "SELECT count(*) FROM broker.conversation_group_state") == 0
     finally:
         for engine in engines:
             engine.dispose()
