@@ -129,10 +129,14 @@ def begin_dialog(executor: Executor, from_service: str, to_service: str, contrac
                  group=related_conversation_group, related=related_conversation).scalar_one()
 
 
-def send(executor: Executor, conversation_handle: UUID, message_type: str, body: bytes | str | None = None) -> int:
-    """Sends a message (str bodies are UTF-8 encoded); returns its sequence number."""
-    return _call(executor, "SELECT broker.send(:handle, :message_type, :body)",
-                 handle=conversation_handle, message_type=message_type, body=_as_bytes(body)).scalar_one()
+def send(executor: Executor, conversation_handle: UUID, message_type: str, body: bytes | str | None = None, *,
+         deliver_after: timedelta | None = None, deliver_at: datetime | None = None) -> int:
+    """Sends a message (str bodies are UTF-8 encoded); returns its sequence number. Given deliver_after (from
+    now, by the database's clock) or deliver_at, it is held until then, and the later messages of its
+    conversation behind it."""
+    return _call(executor, "SELECT broker.send(:handle, :message_type, :body, :after, :at)",
+                 handle=conversation_handle, message_type=message_type, body=_as_bytes(body), after=deliver_after,
+                 at=deliver_at).scalar_one()
 
 
 def send_batch(executor: Executor, conversation_handles: Sequence[UUID], message_type: str,
@@ -146,14 +150,16 @@ def send_batch(executor: Executor, conversation_handles: Sequence[UUID], message
 
 
 def send_numbered(executor: Executor, conversation_handle: UUID, sequence_number: int, message_type: str,
-                  body: bytes | str | None = None) -> bool:
-    """Sends message number sequence_number; False when that very message was sent already.
+                  body: bytes | str | None = None, *, deliver_after: timedelta | None = None,
+                  deliver_at: datetime | None = None) -> bool:
+    """Sends message number sequence_number, held as send holds it; False when that very message was sent
+    already (whatever delivery time either gave).
 
     Raises SequenceConflict when the number is out of turn or was used for another content.
     """
-    return _call(executor, "SELECT broker.send_numbered(:handle, :number, :message_type, :body)",
+    return _call(executor, "SELECT broker.send_numbered(:handle, :number, :message_type, :body, :after, :at)",
                  handle=conversation_handle, number=sequence_number, message_type=message_type,
-                 body=_as_bytes(body)).scalar_one()
+                 body=_as_bytes(body), after=deliver_after, at=deliver_at).scalar_one()
 
 
 def send_numbered_batch(executor: Executor, messages: Sequence[tuple[UUID, int, str, bytes | str | None]]) -> list[bool]:

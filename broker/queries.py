@@ -183,17 +183,22 @@ TRANSMISSION_QUEUE = text(
     " LIMIT :limit OFFSET :offset")
 # One row per destination node: how much waits for it, since when, and why (the status of the
 # message that has waited longest).
-TRANSMISSION_BY_DESTINATION = text(
-    "SELECT coalesce(r.address, '(no route)') AS destination, count(*) AS messages,"
-    " count(DISTINCT t.conversation_handle) AS conversations,"
-    " extract(epoch FROM now() - min(t.enqueued_at))::float8 AS oldest_message_age_s, max(t.attempts) AS attempts,"
-    " min(t.next_attempt_at) AS next_attempt_at,"
-    " (array_agg(t.transmission_status ORDER BY t.enqueued_at))[1] AS status"
-    " FROM broker.transmission_queue_status t LEFT JOIN broker.routes r ON r.service_name = t.to_service"
-    " GROUP BY r.address ORDER BY destination")
+# Messages held until their delivery time for a service of this node wait there too: "(this node)".
+TRANSMISSION_BY_DESTINATION = text("""
+    SELECT t.destination, count(*) AS messages, count(DISTINCT t.conversation_handle) AS conversations,
+           extract(epoch FROM now() - min(t.enqueued_at))::float8 AS oldest_message_age_s,
+           max(t.attempts) AS attempts, min(t.next_attempt_at) AS next_attempt_at,
+           (array_agg(t.transmission_status ORDER BY t.enqueued_at))[1] AS status
+    FROM (SELECT t.*, CASE WHEN EXISTS (SELECT 1 FROM broker.services s WHERE s.name = t.to_service)
+                           THEN '(this node)' ELSE coalesce(r.address, '(no route)') END AS destination
+          FROM broker.transmission_queue_status t
+          LEFT JOIN broker.routes r ON r.service_name = t.to_service) t
+    GROUP BY t.destination ORDER BY t.destination
+""")
 UNROUTED_SERVICES = text(
     "SELECT t.to_service, count(*) AS messages FROM broker.transmission_queue t"
     " WHERE NOT EXISTS (SELECT 1 FROM broker.routes r WHERE r.service_name = t.to_service)"
+    " AND NOT EXISTS (SELECT 1 FROM broker.services s WHERE s.name = t.to_service)"
     " GROUP BY t.to_service ORDER BY t.to_service")
 FAILING_DESTINATIONS = text(
     "SELECT r.address, count(*) AS messages, max(t.attempts) AS attempts,"

@@ -4,14 +4,14 @@ from typing import Any
 from uuid import UUID
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 from sqlalchemy import Connection
 
 import broker
 from api import bodies
 from api.auth import api_key, require
 from api.problems import KEYED, READS_BODY, Problem, error_responses
-from api.types import Name, Text, integer, known_query_parameters
+from api.types import Name, Number, Text, integer, known_query_parameters
 from broker import queries
 from broker.api_keys import ApiKey
 
@@ -63,20 +63,30 @@ IDEMPOTENT = ("makes the send idempotent: the number this message must get. Rese
 SequenceNumber = integer(ge=1, le=2**53 - 1)
 
 
-class SendMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "examples": [{"message_type": "order.submit", "body": {"sku": "A-1", "quantity": 2}, "sequence_number": 1}],
-        "not": {"required": ["body", "body_base64"]}})
+class MessageContent(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"not": {"required": ["body", "body_base64"]}})
 
     message_type: Name
     body: Any = Field(None, description="any JSON value, stored as its JSON text")
     body_base64: str | None = Field(
         None, pattern=r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$",
         description="raw bytes, base64 (RFC 4648, padded): instead of body")
+
+
+class SendMessage(MessageContent):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"message_type": "order.submit", "body": {"sku": "A-1", "quantity": 2}, "sequence_number": 1},
+                     {"message_type": "order.note", "body": "remind", "deliver_after_s": 3600}],
+        "not": {"required": ["body", "body_base64"]}})
+
     sequence_number: SequenceNumber | None = Field(None, description=IDEMPOTENT)
+    deliver_after_s: Number | None = Field(None, ge=0, le=10 * 365 * 86400, description=(
+        "hold the message this long from now, and the later messages of the conversation behind it"))
+    deliver_at: AwareDatetime | None = Field(None, description="hold the message until then (instead of "
+                                                               "deliver_after_s)")
 
 
-class NumberedMessage(SendMessage):
+class NumberedMessage(MessageContent):
     model_config = ConfigDict(extra="forbid", json_schema_extra={
         "examples": [{"conversation_handle": "8f7c4268-32b4-4c58-9c4f-7e2f1c0f5b1a", "message_type": "order.submit",
                       "body": {"sku": "A-1", "quantity": 2}, "sequence_number": 1}],
@@ -159,11 +169,13 @@ def send_message(conversation_handle: UUID, message: SendMessage, request: Reque
     body = bodies.encode(message.body, message.body_base64)
     with request.app.state.engine.begin() as connection:
         _sending_endpoint(connection, key, conversation_handle)
+        after = None if message.deliver_after_s is None else timedelta(seconds=message.deliver_after_s)
+        delivery = {"deliver_after": after, "deliver_at": message.deliver_at}
         if message.sequence_number is None:
-            return Sent(sequence_number=broker.send(connection, conversation_handle, message.message_type, body),
-                        duplicate=False)
+            return Sent(sequence_number=broker.send(connection, conversation_handle, message.message_type, body,
+                                                    **delivery), duplicate=False)
         sent_now = broker.send_numbered(connection, conversation_handle, message.sequence_number,
-                                        message.message_type, body)
+                                        message.message_type, body, **delivery)
         return Sent(sequence_number=message.sequence_number, duplicate=not sent_now)
 
 

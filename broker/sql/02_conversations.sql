@@ -36,6 +36,8 @@ CREATE TABLE broker.endpoints (
     timer_at               timestamptz,
     created_at             timestamptz NOT NULL DEFAULT now(),
     closed_at              timestamptz,
+    -- The latest delivery time of a message this side holds (broker._transmit).
+    held_until             timestamptz,
     UNIQUE (conversation_id, is_initiator)
 ) WITH (fillfactor = 70);
 CREATE INDEX endpoints_group ON broker.endpoints (conversation_group_id);
@@ -300,25 +302,36 @@ END $$;
 
 -- Numbers a message from a locked endpoint and hands it to the far side:
 -- delivered in this transaction when the far side is local, otherwise put
--- on the transmission queue.  Returns the message's sequence number.
-CREATE FUNCTION broker._transmit(sender broker.endpoints, mt broker.message_types, body bytea)
+-- on the transmission queue.  A message with a delivery time to come is held
+-- until then, and so is every later message of its side of the conversation
+-- while one is held, whatever the far side: each waits in the transmission
+-- queue, due at the latest delivery time (held_until) so far.  The relay sends
+-- a remote one once it is due; broker._fire_due_events delivers a local one,
+-- and forgets held_until when none is left.  Returns the message's sequence
+-- number.
+CREATE FUNCTION broker._transmit(sender broker.endpoints, mt broker.message_types, body bytea,
+                                 deliver_at timestamptz DEFAULT NULL)
 RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
     sequence_number bigint := sender.send_sequence + 1;
+    hold_until timestamptz := CASE WHEN deliver_at > clock_timestamp() THEN greatest(deliver_at, sender.held_until)
+                                   ELSE sender.held_until END;
     far broker.endpoints;
 BEGIN
-    UPDATE broker.endpoints SET send_sequence = sequence_number
-    WHERE conversation_handle = sender.conversation_handle;
-    IF sender.far_is_local THEN
+    UPDATE broker.endpoints e SET send_sequence = sequence_number, held_until = hold_until
+    WHERE e.conversation_handle = sender.conversation_handle;
+    IF sender.far_is_local AND hold_until IS NULL THEN
         far := broker._far_endpoint(sender);
         PERFORM broker._deliver(far, sequence_number, mt, body);
     ELSE
         INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body)
+                                               to_service, message_type_id, body, next_attempt_at)
         VALUES (sender.conversation_handle, sequence_number, sender.conversation_id,
-                sender.far_service, mt.message_type_id, body);
-        PERFORM pg_notify('broker_transmission_queue', '');
+                sender.far_service, mt.message_type_id, body, greatest(hold_until, now()));
+        IF NOT sender.far_is_local THEN
+            PERFORM pg_notify('broker_transmission_queue', '');
+        END IF;
     END IF;
     RETURN sequence_number;
 END $$;
@@ -352,6 +365,7 @@ LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM broker.transmission_queue t
     WHERE t.to_service = sender.far_service AND t.conversation_handle = sender.conversation_handle;
+    sender.held_until := NULL;  -- what was held is dropped, and the error goes now
     RETURN broker._transmit(sender, broker._message_type('broker.error'),
                             broker._error_body(error_code, error_description));
 END $$;
@@ -455,8 +469,11 @@ COMMENT ON FUNCTION broker.begin_dialog(text, text, text, interval, uuid, uuid) 
 -- hex digit of the handle, so that only the relay lane for that share of the
 -- handles wakes (an empty one wakes all).  A conversation past its lifetime
 -- refuses to send (BR020), on either side, even before its expiry has been
--- fired.
-CREATE OR REPLACE FUNCTION broker.send(conversation_handle uuid, message_type text, body bytea DEFAULT NULL)
+-- fired.  A message given a delivery time (deliver_after from now, or
+-- deliver_at) is held until then, and the later ones of its conversation
+-- behind it (broker._transmit).
+CREATE FUNCTION broker.send(conversation_handle uuid, message_type text, body bytea DEFAULT NULL,
+                            deliver_after interval DEFAULT NULL, deliver_at timestamptz DEFAULT NULL)
 RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -464,25 +481,29 @@ DECLARE
     mt broker.message_types;
     far_queue broker.queues;
     numbered record;
+    due timestamptz := CASE WHEN deliver_after IS NOT NULL OR deliver_at IS NOT NULL
+                            THEN broker._delivery_time(deliver_after, deliver_at) END;
 BEGIN
     -- The common case in one statement: a conversing endpoint with a remote far
     -- side, within its lifetime, sending a type without validation that its
-    -- contract allows it to.
+    -- contract allows it to, at once (behind what the conversation holds).
     UPDATE broker.endpoints e SET send_sequence = e.send_sequence + 1
     FROM broker.message_types t, broker.contract_message_types cmt
-    WHERE e.conversation_handle = send.conversation_handle AND e.state = 'conversing' AND NOT e.far_is_local
+    WHERE due IS NULL
+      AND e.conversation_handle = send.conversation_handle AND e.state = 'conversing' AND NOT e.far_is_local
       AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp())
       AND t.name = message_type AND t.validation = 'none' AND t.name NOT LIKE 'broker.%'
       AND cmt.contract_id = e.contract_id AND cmt.message_type_id = t.message_type_id
       AND cmt.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
       AND coalesce(octet_length(body), 0) <= (SELECT max_message_bytes FROM broker.node)
-    RETURNING e.conversation_handle, e.send_sequence, e.conversation_id, e.far_service, t.message_type_id
+    RETURNING e.conversation_handle, e.send_sequence, e.conversation_id, e.far_service, t.message_type_id,
+              e.held_until
     INTO numbered;
     IF FOUND THEN
         INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body)
+                                               to_service, message_type_id, body, next_attempt_at)
         VALUES (numbered.conversation_handle, numbered.send_sequence, numbered.conversation_id, numbered.far_service,
-                numbered.message_type_id, body);
+                numbered.message_type_id, body, greatest(numbered.held_until, now()));
         PERFORM pg_notify('broker_transmission_queue', left(numbered.conversation_handle::text, 1));
         RETURN numbered.send_sequence;
     END IF;
@@ -509,10 +530,24 @@ BEGIN
             PERFORM broker._raise('BR030', format('queue %L of service %L is disabled', far_queue.name, sender.far_service));
         END IF;
     END IF;
-    RETURN broker._transmit(sender, mt, body);
+    RETURN broker._transmit(sender, mt, body, due);
 END $$;
-COMMENT ON FUNCTION broker.send(uuid, text, bytea) IS
-    'Sends a message on a conversation; returns its sequence number.  Durable when the caller commits.';
+COMMENT ON FUNCTION broker.send(uuid, text, bytea, interval, timestamptz) IS
+    'Sends a message on a conversation, at once or held until its delivery time; returns its sequence number.  Durable when the caller commits.';
+
+-- When a message given deliver_after (from now) or deliver_at is to be
+-- delivered: BR050 for both, or for a time without end.
+CREATE FUNCTION broker._delivery_time(deliver_after interval, deliver_at timestamptz) RETURNS timestamptz
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF deliver_after IS NOT NULL AND deliver_at IS NOT NULL THEN
+        PERFORM broker._raise('BR050', 'give deliver_after or deliver_at, not both');
+    END IF;
+    IF NOT isfinite(coalesce(deliver_at, now() + deliver_after)) THEN
+        PERFORM broker._raise('BR050', 'a delivery time must be finite');
+    END IF;
+    RETURN coalesce(deliver_at, clock_timestamp() + deliver_after);
+END $$;
 
 -- Locks every local endpoint of the conversations whose handles are given,
 -- conversation by conversation and the initiator's endpoint first: the order
@@ -593,14 +628,15 @@ BEGIN
     END IF;
     WITH numbered AS (
         SELECT g.k, g.h, e.send_sequence + row_number() OVER (PARTITION BY g.h ORDER BY g.k) AS sequence_number,
-               e.conversation_id, e.far_service, e.far_is_local, e.is_initiator, g.b
+               e.conversation_id, e.far_service, e.far_is_local, e.is_initiator, e.held_until, g.b
         FROM unnest(conversation_handles, bodies) WITH ORDINALITY AS g(h, b, k)
         JOIN broker.endpoints e ON e.conversation_handle = g.h
         WHERE e.conversation_handle = ANY (conversation_handles)
     ), queued AS (
         INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body)
-        SELECT n.h, n.sequence_number, n.conversation_id, n.far_service, mt.message_type_id, n.b
+                                               to_service, message_type_id, body, next_attempt_at)
+        SELECT n.h, n.sequence_number, n.conversation_id, n.far_service, mt.message_type_id, n.b,
+               greatest(n.held_until, now())
         FROM numbered n WHERE NOT n.far_is_local
     ), delivered AS (
         INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
@@ -645,9 +681,11 @@ $$;
 -- client can retry a send whose outcome it does not know: the same number
 -- with the same content again is a no-op that returns false; the next number
 -- sends and returns true.  Anything else raises BR021 with the number that
--- comes next in its DETAIL.
+-- comes next in its DETAIL.  The delivery time is not part of the content: a
+-- retry is the same message whatever it gives.
 CREATE FUNCTION broker.send_numbered(conversation_handle uuid, sequence_number bigint, message_type text,
-                                     body bytea DEFAULT NULL)
+                                     body bytea DEFAULT NULL, deliver_after interval DEFAULT NULL,
+                                     deliver_at timestamptz DEFAULT NULL)
 RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -657,7 +695,7 @@ DECLARE
     stored bytea;
 BEGIN
     IF broker._require('sequence_number', sequence_number) = expected THEN
-        PERFORM broker.send(conversation_handle, message_type, body);
+        PERFORM broker.send(conversation_handle, message_type, body, deliver_after, deliver_at);
         INSERT INTO broker.numbered_sends VALUES (conversation_handle, sequence_number, digest);
         RETURN true;
     END IF;
@@ -673,7 +711,7 @@ BEGIN
             ELSE format('message %s of conversation %s was already sent with another content; the next number is %s',
                         sequence_number, conversation_handle, expected) END;
 END $$;
-COMMENT ON FUNCTION broker.send_numbered(uuid, bigint, text, bytea) IS
+COMMENT ON FUNCTION broker.send_numbered(uuid, bigint, text, bytea, interval, timestamptz) IS
     'Idempotent send: the client numbers the message; a retry with the same number and content is a no-op.';
 
 -- A message of broker.send_numbered_batch as it is judged: repeat_of is the
@@ -1228,10 +1266,10 @@ END $$;
 COMMENT ON FUNCTION broker.begin_conversation_timer(uuid, interval) IS
     'After timeout, a broker.dialog_timer message arrives on this side of the conversation.';
 
--- Fires due conversation timers and lifetimes, of one queue or
--- (target_queue_id NULL) every queue, at most max_events endpoints a call;
--- returns how many it fired (a local conversation's lifetime ends both sides
--- at once).  An endpoint whose conversation another transaction holds is left
+-- Fires due conversation timers and lifetimes, and delivers the held messages
+-- of local conversations that are due, of one queue or (target_queue_id NULL)
+-- every queue, at most max_events endpoints a call; returns how many it fired
+-- (a local conversation's lifetime ends both sides at once).  An endpoint whose conversation another transaction holds is left
 -- for later.  A running node calls broker.fire_due_events every quarter second,
 -- so that timers and lifetimes take effect when they fall due, not when
 -- somebody next receives.
@@ -1241,6 +1279,7 @@ DECLARE
     due_by timestamptz := clock_timestamp();  -- a waiting receive outlives its transaction's now()
     due record;
     e broker.endpoints;
+    held record;
     fired integer := 0;
 BEGIN
     FOR due IN
@@ -1268,6 +1307,44 @@ BEGIN
             fired := fired + 1;
         END IF;
     END LOOP;
+    -- Held messages of local conversations whose delivery time has come, each
+    -- conversation's in order; the earliest held message of a conversation is
+    -- always one with a delivery time of its own, in transmission_queue_held.
+    FOR due IN
+        SELECT DISTINCT t.conversation_handle, sender.conversation_id
+        FROM broker.services s
+        JOIN broker.transmission_queue t
+          ON t.to_service = s.name AND t.next_attempt_at > t.enqueued_at AND t.next_attempt_at <= due_by
+        JOIN broker.endpoints sender ON sender.conversation_handle = t.conversation_handle AND sender.far_is_local
+        WHERE target_queue_id IS NULL OR s.queue_id = target_queue_id
+        LIMIT max_events
+    LOOP
+        PERFORM 1 FROM broker.endpoints
+        WHERE conversation_handle = (SELECT conversation_handle FROM broker.endpoints
+                                     WHERE conversation_id = due.conversation_id
+                                     ORDER BY is_initiator DESC LIMIT 1)
+        FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        e := broker._lock_endpoint(due.conversation_handle);
+        FOR held IN
+            SELECT t.* FROM broker.transmission_queue t
+            WHERE t.to_service = e.far_service AND t.conversation_handle = e.conversation_handle
+              AND t.next_attempt_at <= due_by
+            ORDER BY t.message_sequence_number
+        LOOP
+            DELETE FROM broker.transmission_queue t
+            WHERE t.to_service = held.to_service AND t.conversation_handle = held.conversation_handle
+              AND t.message_sequence_number = held.message_sequence_number;
+            PERFORM broker._deliver(broker._far_endpoint(e), held.message_sequence_number,
+                                    (SELECT mt FROM broker.message_types mt WHERE mt.message_type_id = held.message_type_id),
+                                    held.body);
+            fired := fired + 1;
+        END LOOP;
+        UPDATE broker.endpoints SET held_until = NULL
+        WHERE conversation_handle = e.conversation_handle
+          AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
+                          WHERE t.to_service = e.far_service AND t.conversation_handle = e.conversation_handle);
+    END LOOP;
     RETURN fired;
 END $$;
 
@@ -1276,4 +1353,4 @@ LANGUAGE sql AS $$
     SELECT broker._fire_due_events(NULL)
 $$;
 COMMENT ON FUNCTION broker.fire_due_events() IS
-    'Fires the conversation timers and lifetimes that are due, on every queue; returns how many.  A running node calls it every quarter second.';
+    'Fires the conversation timers and lifetimes that are due, and delivers held local messages that are due, on every queue; returns how many.  A running node calls it every quarter second.';

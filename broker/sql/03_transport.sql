@@ -32,6 +32,10 @@ CREATE TABLE broker.transmission_queue (
 -- destination resets them (broker.apply_transport_results) without a look at
 -- the others.
 CREATE INDEX transmission_queue_failed ON broker.transmission_queue (conversation_handle) WHERE attempts > 0;
+-- The messages held until a delivery time to come (broker._transmit): due
+-- later than they were queued, which no other message is until it fails.
+CREATE INDEX transmission_queue_held ON broker.transmission_queue (to_service, next_attempt_at)
+    WHERE next_attempt_at > enqueued_at;
 
 -- A destination that could not be reached, per relay lane (the conversations
 -- whose handles fall in [first_handle, last_handle]; a single conversation when
@@ -57,7 +61,10 @@ SELECT t.conversation_handle, t.conversation_id, t.to_service, t.message_sequenc
        mt.name AS message_type, octet_length(t.body) AS body_bytes, t.enqueued_at,
        coalesce(f.attempts, t.attempts) AS attempts,
        coalesce(f.next_attempt_at, t.next_attempt_at) AS next_attempt_at,
-       CASE WHEN f.reason IS NULL THEN t.transmission_status
+       CASE WHEN t.attempts = 0 AND t.next_attempt_at > now()
+                 THEN format('held until its delivery time, %s',
+                             to_char(t.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ'))
+            WHEN f.reason IS NULL THEN t.transmission_status
             ELSE format('%s (attempt %s, next at %s)', f.reason, f.attempts,
                         to_char(f.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ')) END AS transmission_status
 FROM broker.transmission_queue t
@@ -583,7 +590,7 @@ BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made ag
                 WHERE r.address = destination
                 ORDER BY t.conversation_handle, t.message_sequence_number
                 LIMIT max_messages) due
-          JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle
+          JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle AND NOT e.far_is_local
           JOIN broker.services s ON s.service_id = e.service_id
           JOIN broker.contracts c ON c.contract_id = e.contract_id
           JOIN broker.message_types mt ON mt.message_type_id = due.message_type_id) sized
