@@ -47,7 +47,7 @@ class ProblemDetails(BaseModel):
     hint: str | None = None
     expected_sequence_number: int | None = Field(None, description="with sequence-conflict: the number that comes next")
     limit_bytes: int | None = Field(None, description="with too-large for a request: the node's limit")
-    reason: Literal["expired", "completed", "abandoned", "purged", "unknown"] | None = Field(None, description=(
+    reason: Literal["expired", "completed", "abandoned", "purged", "dead_lettered", "unknown"] | None = Field(None, description=(
         "with lock-lost: why the lock was lost (unknown: it never existed, or ended more than an hour ago)"))
 
 

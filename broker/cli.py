@@ -280,6 +280,35 @@ def purge(queue: str = typer.Argument(..., help="the queue to empty"),
     console.print(f"purged {purged} messages from {visible(queue)!r}", markup=False, highlight=False)
 
 
+@app.command("dead-letters")
+def dead_letters(queue: str = typer.Argument(..., help="the queue whose dead letters to show"),
+                 limit: int = typer.Option(50, min=1, max=1000, help="show at most this many, oldest first"),
+                 purge: bool = typer.Option(False, "--purge", help="delete them instead, after asking"),
+                 yes: bool = typer.Option(False, "--yes", help="with --purge: do not ask first")) -> None:
+    """Show a queue's dead letters with why each was dead-lettered, or delete them (--purge)."""
+    from rich.table import Table
+
+    from broker import queries
+    from broker.core import purge_dead_letters
+
+    if purge:
+        if not yes:
+            typer.confirm(f"Delete every dead letter of queue {visible(queue)!r}?", abort=True)
+        with database_engine() as engine, engine.begin() as connection:
+            purged = purge_dead_letters(connection, queue)
+        console.print(f"purged {purged} dead letters of {visible(queue)!r}", markup=False, highlight=False)
+        return
+    with database_engine() as engine, engine.connect() as connection:
+        if queries.queue_id(connection, queue) is None:
+            raise typer.BadParameter(f"unknown queue {visible(queue)!r}", param_hint="QUEUE")
+        letters = queries.dead_letters(connection, queue, limit, 0)
+    table = Table("conversation", "number", "message type", "attempts", "dead-lettered at", "reason")
+    for letter in letters:
+        add_cells(table, letter.conversation_handle, letter.message_sequence_number, letter.message_type,
+                  letter.failed_attempts, letter.dead_lettered_at.isoformat(timespec="seconds"), letter.reason)
+    console.print(table if letters else f"no dead letters in {visible(queue)!r}")
+
+
 @app.command()
 def status(as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
     """Show queues, conversations by state, the transmission queue by destination, ingests and dead letters."""

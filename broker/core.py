@@ -255,6 +255,27 @@ def set_conversation_group_state(executor: Executor, conversation_group: UUID, s
           group=conversation_group, state=None if state is None else json.dumps(state), token=lock_token)
 
 
+def dead_letter_conversation(executor: Executor, conversation_handle: UUID, reason: str,
+                             lock_token: UUID | None = None) -> int:
+    """Dead-letters a conversation whose next message the caller cannot process: what waits of it moves to
+    broker.dead_letters (the first message with the reason) and it ends with broker.error (-2). The caller
+    holds its group: by its transaction (after rolling back its receive), or by its lease's lock_token."""
+    return _call(executor, "SELECT broker.dead_letter_conversation(:handle, :reason, :token)",
+                 handle=conversation_handle, reason=reason, token=lock_token).scalar_one()
+
+
+def resubmit_dead_letters(executor: Executor, queue: str, conversation_handle: UUID) -> int:
+    """Puts a quarantined conversation's dead letters back into its queue, in order; returns how many."""
+    return _call(executor, "SELECT broker.resubmit_dead_letters(:queue, :handle)",
+                 queue=queue, handle=conversation_handle).scalar_one()
+
+
+def purge_dead_letters(executor: Executor, queue: str, older_than: timedelta | None = None) -> int:
+    """Deletes a queue's dead letters (only those dead-lettered longer ago than older_than, when given)."""
+    return _call(executor, "SELECT broker.purge_dead_letters(:queue, :older_than)",
+                 queue=queue, older_than=older_than).scalar_one()
+
+
 def purge_queue(executor: Executor, queue: str) -> int:
     """Deletes every message waiting in a queue and ends its leases; returns how many messages it deleted."""
     return _call(executor, "SELECT broker.purge_queue(:queue)", queue=queue).scalar_one()

@@ -81,7 +81,7 @@ class LockLost(BrokerError):
     a session that does not hold the run's lock."""
 
     sqlstates = ("BR060",)
-    REASONS = ("expired", "completed", "abandoned", "purged", "unknown")
+    REASONS = ("expired", "completed", "abandoned", "purged", "dead_lettered", "unknown")
 
     @property
     def reason(self) -> str | None:

@@ -253,6 +253,19 @@ def ingests(connection: Connection) -> list[Row]:
     return connection.execute(INGESTS).all()
 
 
+DEAD_LETTERS = text("""
+    SELECT dead_letter_id, conversation_handle, conversation_id, message_sequence_number, message_type, body,
+           enqueued_at, dead_lettered_at, failed_attempts, reason
+    FROM broker.dead_letters WHERE queue_name = :queue
+    ORDER BY dead_letter_id LIMIT :limit OFFSET :offset
+""")
+
+
+def dead_letters(connection: Connection, queue: str, limit: int, offset: int) -> list[Row]:
+    """A queue's dead letters, oldest first, with why each was dead-lettered."""
+    return connection.execute(DEAD_LETTERS, {"queue": queue, "limit": limit, "offset": offset}).all()
+
+
 def latest_dead_letters(connection: Connection, limit: int) -> list[Row]:
     return connection.execute(LATEST_DEAD_LETTERS, {"limit": limit}).all()
 

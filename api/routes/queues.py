@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,7 +21,7 @@ import broker
 from api import bodies
 from api.auth import api_key, require
 from api.problems import KEYED, READS_BODY, Problem, error_responses
-from api.types import NamePath, Number, integer, known_query_parameters
+from api.types import NamePath, Number, Text, integer, known_query_parameters
 from broker import queries
 from broker.api_keys import ApiKey
 from broker.metrics import API_ABANDONED, API_COMPLETED, API_RECEIVED
@@ -96,7 +96,51 @@ class Abandoned(BaseModel):
 
 
 class Purged(BaseModel):
-    purged: int = Field(description="messages deleted")
+    purged: int = Field(description="messages (or dead letters) deleted")
+
+
+class DeadLetterMessage(BaseModel):
+    dead_letter_id: int
+    conversation_handle: UUID
+    conversation_id: UUID
+    sequence_number: int
+    message_type: str
+    body: Any = Field(None, description="the body when it is JSON")
+    body_base64: str | None = Field(None, description="the body in base64 when it is not JSON")
+    enqueued_at: datetime
+    dead_lettered_at: datetime
+    failed_attempts: int
+    reason: str = Field(description="why it was dead-lettered, in words")
+
+
+class DeadLetterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"conversation_handle": "3cad8df1-6a4f-4f7e-8a47-6f9b6a1f2e3d", "reason": "unknown sku"}]})
+
+    conversation_handle: UUID = Field(description="the conversation of the lock's messages to dead-letter")
+    reason: Text = Field(min_length=1, max_length=4000)
+
+
+class DeadLettered(BaseModel):
+    dead_lettered: int = Field(description="messages moved to the dead letters")
+
+
+class Resubmit(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"conversation_handle": "3cad8df1-6a4f-4f7e-8a47-6f9b6a1f2e3d"}]})
+
+    conversation_handle: UUID = Field(description="the quarantined conversation side, still in error")
+
+
+class Resubmitted(BaseModel):
+    resubmitted: int = Field(description="dead letters put back into the queue, in order")
+
+
+class PurgeDeadLetters(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{}, {"older_than_s": 604800}]})
+
+    older_than_s: Number | None = Field(None, ge=0, le=100 * 365 * 86400, description=(
+        "only those dead-lettered longer ago than this"))
 
 
 class QueueStatus(BaseModel):
@@ -232,6 +276,20 @@ def set_group_state(lock_token: UUID, update: GroupState, request: Request,
     return update
 
 
+@router.post("/v1/locks/{lock_token}/dead-letter", response_model=DeadLettered,
+             summary="Dead-letter a conversation of a lock", responses=error_responses(400, 404, 409, *READS_BODY))
+def dead_letter(lock_token: UUID, request_body: DeadLetterRequest, request: Request,
+                key: ApiKey = Depends(api_key)) -> DeadLettered:
+    """Moves what waits of one conversation of the lock's messages to the dead letters, with the reason on its
+    first message, and ends the conversation with broker.error (-2) on both sides; the lock ends, and its other
+    messages come back, counting no failure."""
+    with request.app.state.engine.begin() as connection:
+        _locked_queue(connection, key, lock_token)
+        moved = broker.dead_letter_conversation(connection, request_body.conversation_handle, request_body.reason,
+                                                lock_token)
+    return DeadLettered(dead_lettered=moved)
+
+
 @router.post("/v1/locks/{lock_token}/abandon", response_model=Abandoned, summary="Hand a lock's messages back",
              responses=error_responses(409, 422))
 def abandon_lock(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Abandoned:
@@ -268,3 +326,46 @@ def purge_queue(queue: NamePath, request: Request, key: ApiKey = Depends(api_key
     require(key, "admin")
     with request.app.state.engine.begin() as connection:
         return Purged(purged=broker.purge_queue(connection, queue))
+
+
+@router.get("/v1/queues/{queue}/dead-letters", response_model=list[DeadLetterMessage],
+            summary="A queue's dead letters", responses=error_responses(404, 422))
+def list_dead_letters(queue: NamePath, request: Request, key: ApiKey = Depends(api_key),
+                      limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62)) -> Response:
+    """The queue's dead letters, oldest first, each with why it was dead-lettered."""
+    require(key, f"receive:{queue}")
+    with request.app.state.engine.connect() as connection:
+        if queries.queue_id(connection, queue) is None:
+            raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
+        letters = queries.dead_letters(connection, queue, limit, offset)
+    return Response(f"[{','.join(_dead_letter_json(letter) for letter in letters)}]", media_type="application/json")
+
+
+def _dead_letter_json(letter) -> str:
+    fields = DeadLetterMessage(**{**letter._mapping, "sequence_number": letter.message_sequence_number, "body": None})
+    body = None if letter.body is None else bytes(letter.body)
+    return f'{fields.model_dump_json(exclude={"body", "body_base64"})[:-1]},{bodies.as_members(body)}}}'
+
+
+@router.post("/v1/queues/{queue}/dead-letters/resubmit", response_model=Resubmitted,
+             summary="Put a conversation's dead letters back", responses=error_responses(400, 404, 409, *READS_BODY))
+def resubmit_dead_letters(queue: NamePath, resubmit: Resubmit, request: Request,
+                          key: ApiKey = Depends(api_key)) -> Resubmitted:
+    """Puts a quarantined conversation's dead letters back into the queue, in order, to be processed again
+    (needs the admin scope); only while that side is in error, not yet ended."""
+    require(key, "admin")
+    with request.app.state.engine.begin() as connection:
+        return Resubmitted(resubmitted=broker.resubmit_dead_letters(connection, queue, resubmit.conversation_handle))
+
+
+@router.post("/v1/queues/{queue}/dead-letters/purge", response_model=Purged, summary="Delete a queue's dead letters",
+             responses=error_responses(400, 404, *READS_BODY))
+def purge_dead_letters(queue: NamePath, request: Request, options: PurgeDeadLetters | None = None,
+                       key: ApiKey = Depends(api_key)) -> Purged:
+    """Deletes the queue's dead letters, or those dead-lettered longer ago than older_than_s (needs the admin
+    scope)."""
+    require(key, "admin")
+    options = options or PurgeDeadLetters()
+    older_than = None if options.older_than_s is None else timedelta(seconds=options.older_than_s)
+    with request.app.state.engine.begin() as connection:
+        return Purged(purged=broker.purge_dead_letters(connection, queue, older_than))

@@ -52,7 +52,7 @@ BEGIN
           AND p.proname IN ('begin_dialog', 'send', 'send_numbered', 'send_numbered_batch', 'send_batch', 'receive',
                             'receive_with_lock', 'complete_lock', 'abandon_lock', 'renew_lock',
                             'get_conversation_group', 'move_conversation', 'end_conversation',
-                            'get_conversation_group_state', 'set_conversation_group_state',
+                            'get_conversation_group_state', 'set_conversation_group_state', 'dead_letter_conversation',
                             'begin_conversation_timer', 'report_processing_failure')
     LOOP
         EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp', entry_point);

@@ -9,7 +9,7 @@
 CREATE TABLE broker.ended_leases (
     lock_token   uuid PRIMARY KEY,
     queue_id     integer NOT NULL REFERENCES broker.queues ON DELETE CASCADE,
-    how          text NOT NULL CHECK (how IN ('expired', 'completed', 'abandoned', 'purged')),
+    how          text NOT NULL CHECK (how IN ('expired', 'completed', 'abandoned', 'purged', 'dead_lettered')),
     ended_at     timestamptz NOT NULL,
     recorded_at  timestamptz NOT NULL DEFAULT clock_timestamp()
 );
@@ -69,8 +69,8 @@ BEGIN
 END $$;
 
 -- Raises BR060 for a lock that is not live, saying why: its DETAIL is one of
--- expired, completed, abandoned, purged or unknown (never made, or ended more
--- than an hour ago), for a client to act on.
+-- expired, completed, abandoned, purged, dead_lettered or unknown (never made,
+-- or ended more than an hour ago), for a client to act on.
 CREATE OR REPLACE FUNCTION broker._lock_lost(lock_token uuid) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -87,11 +87,13 @@ BEGIN
             WHEN 'completed' THEN format('it was completed at %s', ended)
             WHEN 'abandoned' THEN format('it was abandoned at %s', ended)
             WHEN 'purged' THEN format('its queue was purged at %s', ended)
+            WHEN 'dead_lettered' THEN format('its conversation was dead-lettered at %s', ended)
             ELSE 'no lock with this token is known (it never existed, or it ended more than an hour ago)' END),
         HINT = CASE how
             WHEN 'completed' THEN 'its messages were consumed: nothing is left to do with this lock'
             WHEN 'abandoned' THEN 'its messages were handed back: receive again'
             WHEN 'purged' THEN 'its messages were deleted with the rest of the queue'
+            WHEN 'dead_lettered' THEN 'that conversation''s messages are in broker.dead_letters; the others came back'
             ELSE 'receive again: messages not completed come back with a higher delivery_count; '
                  'renew a lock before it expires to hold it longer' END;
 END $$;

@@ -22,7 +22,7 @@ def _run(*args, env=None, timeout=300):
 
 @pytest.mark.parametrize("command", [[], ["migrate"], ["keys"], ["keys", "create"], ["psql"], ["demo"], ["serve"],
                                      ["ingest"], ["bench"], ["relay"], ["status"], ["diagnose"],
-                                     ["purge"]])
+                                     ["purge"], ["dead-letters"]])
 def test_every_command_has_help(command):
     result = _run(*command, "--help")
     assert result.returncode == 0

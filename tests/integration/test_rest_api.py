@@ -287,7 +287,12 @@ def test_keys_are_checked_on_every_route(api, engine, admin):
               ("post", f"/v1/locks/{lock}/complete", None), ("post", f"/v1/locks/{lock}/abandon", None),
               ("post", f"/v1/locks/{lock}/renew", None), ("get", "/v1/queues", None),
               ("post", f"/v1/conversations/{handle}/move", {"conversation_group": handle}),
-              ("post", "/v1/queues/warehouse_queue/purge", None), ("get", "/v1/queues/warehouse_queue", None),
+              ("post", "/v1/queues/warehouse_queue/purge", None),
+              ("get", "/v1/queues/warehouse_queue/dead-letters", None),
+              ("post", "/v1/queues/warehouse_queue/dead-letters/purge", None),
+              ("post", "/v1/queues/warehouse_queue/dead-letters/resubmit", {"conversation_handle": handle}),
+              ("post", f"/v1/locks/{lock}/dead-letter", {"conversation_handle": handle, "reason": "x"}),
+              ("get", f"/v1/locks/{lock}/state", None), ("put", f"/v1/locks/{lock}/state", {"state": 1}), ("get", "/v1/queues/warehouse_queue", None),
               ("get", "/v1/transmission-queue", None), ("get", "/v1/message-types", None),
               ("get", "/v1/contracts", None), ("get", "/v1/services", None), ("get", "/v1/routes", None),
               ("get", "/metrics", None)]

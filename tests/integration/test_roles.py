@@ -27,7 +27,7 @@ SCENARIO = Path(__file__).parents[1] / "sql" / "scenario.sql"
 ENTRY_POINTS = {"begin_dialog", "send", "send_numbered", "send_numbered_batch", "send_batch", "receive", "receive_with_lock",
                 "complete_lock", "abandon_lock", "renew_lock", "get_conversation_group", "move_conversation",
                 "end_conversation", "begin_conversation_timer", "report_processing_failure",
-                "get_conversation_group_state", "set_conversation_group_state"}
+                "get_conversation_group_state", "set_conversation_group_state", "dead_letter_conversation"}
 SEARCH_PATH = ["search_path=broker, pg_catalog, pg_temp"]
 STATUS_VIEWS = {"queue_status", "conversation_endpoints", "transmission_queue_status"}
 TRANSPORT_FUNCTIONS = {"transport_batch", "apply_transport_results", "record_transport_failure",
@@ -53,6 +53,8 @@ REFUSED_TO_APPLICATION = [
     ("SELECT broker.drop_queue('shop_queue')", "function drop_queue"),
     ("SELECT broker.alter_queue('shop_queue', false)", "function alter_queue"),
     ("SELECT broker.purge_queue('shop_queue')", "function purge_queue"),
+    ("SELECT broker.purge_dead_letters('shop_queue')", "function purge_dead_letters"),
+    ("SELECT broker.resubmit_dead_letters('shop_queue', gen_random_uuid())", "function resubmit_dead_letters"),
     ("SELECT * FROM broker.transport_batch('http://h', 10, 1000, NULL, NULL)", "function transport_batch"),
     ("SELECT broker.accept_transport_batch(gen_random_uuid())", "function accept_transport_batch"),
     ("SELECT broker.apply_transport_results('{}')", "function apply_transport_results"),
