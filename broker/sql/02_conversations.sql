@@ -1265,13 +1265,18 @@ CREATE TABLE broker.conversation_group_state (
 -- holds it.  BR041 when another reader holds it, BR060 when the lease is lost.
 CREATE FUNCTION broker._hold_group(group_id uuid, lock_token uuid) RETURNS void
 LANGUAGE plpgsql AS $$
+DECLARE
+    leased_group uuid;
 BEGIN
     IF lock_token IS NOT NULL THEN
-        PERFORM 1 FROM broker.leases l
-        WHERE l.lock_token = _hold_group.lock_token AND l.conversation_group_id = group_id
-          AND l.expires_at > clock_timestamp();
+        SELECT l.conversation_group_id INTO leased_group FROM broker.leases l
+        WHERE l.lock_token = _hold_group.lock_token AND l.expires_at > clock_timestamp();
         IF NOT FOUND THEN
             PERFORM broker._lock_lost(lock_token);
+        END IF;
+        IF leased_group IS DISTINCT FROM group_id THEN
+            PERFORM broker._raise('BR050', format('lock %s holds another conversation group than %s', lock_token,
+                group_id));
         END IF;
         RETURN;
     END IF;

@@ -92,6 +92,15 @@ def test_a_lease_dead_letters_one_conversation_and_hands_the_others_back(engine,
         broker.complete_lock(connection, bad.lock_token)
     assert lost.value.reason == "dead_lettered"
     with engine.begin() as connection:
+        [other_lease, *_] = broker.receive_with_lock(connection, SHOP_QUEUE, 10, timedelta(seconds=30))
+        lone = begin(connection)
+        broker.send(connection, target_handle(connection, lone), "order.note", "elsewhere")
+    with pytest.raises(broker.InvalidArgument, match="holds another conversation group"), \
+            engine.begin() as connection:
+        broker.dead_letter_conversation(connection, lone, "not this lock's", other_lease.lock_token)
+    with engine.begin() as connection:
+        broker.abandon_lock(connection, other_lease.lock_token)
+    with engine.begin() as connection:
         again = broker.receive(connection, SHOP_QUEUE, 10)
     assert [(m.body, m.message_type) for m in again if m.message_type == "order.note"] == [(b"good", "order.note")]
 
