@@ -1,7 +1,7 @@
 """Catalog and conversation factories shared by the tests."""
 from uuid import UUID
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Engine, text
 
 import broker
 
@@ -24,6 +24,15 @@ def define_orders(connection: Connection) -> None:
 
 def begin(connection: Connection, **options) -> UUID:
     return broker.begin_dialog(connection, SHOP, WAREHOUSE, CONTRACT, **options)
+
+
+def notes_waiting(engine: Engine, *bodies: str) -> UUID:
+    """A new conversation with these order.note bodies sent, committed; the shop's handle."""
+    with engine.begin() as connection:
+        handle = begin(connection)
+        for body in bodies:
+            broker.send(connection, handle, "order.note", body)
+    return handle
 
 
 def target_handle(connection: Connection, initiator_handle: UUID) -> UUID:

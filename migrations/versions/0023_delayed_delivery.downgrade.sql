@@ -332,6 +332,7 @@ END $$;
 
 COMMENT ON FUNCTION broker.fire_due_events() IS
     'Fires the conversation timers and lifetimes that are due, on every queue; returns how many.  A running node calls it every quarter second.';
+DROP FUNCTION broker._try_lock_endpoint(uuid);
 
 CREATE OR REPLACE FUNCTION broker.transport_batch(destination text, max_messages integer, max_bytes bigint,
                                        first_handle uuid, last_handle uuid)

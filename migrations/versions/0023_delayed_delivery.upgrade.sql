@@ -324,6 +324,26 @@ ALTER FUNCTION broker.send_numbered(uuid, bigint, text, bytea, interval, timesta
 REVOKE EXECUTE ON FUNCTION broker.send_numbered(uuid, bigint, text, bytea, interval, timestamptz) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION broker.send_numbered(uuid, bigint, text, bytea, interval, timestamptz) TO broker_application, broker_admin;
 
+-- broker._lock_endpoint, or a NULL endpoint without waiting when another
+-- transaction holds the conversation's initiator (locked first, the usual
+-- order): what fires events leaves such a conversation for later.
+CREATE FUNCTION broker._try_lock_endpoint(handle uuid) RETURNS broker.endpoints
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM broker.endpoints
+    WHERE conversation_handle = (SELECT i.conversation_handle FROM broker.endpoints i
+                                 JOIN broker.endpoints e ON e.conversation_id = i.conversation_id
+                                 WHERE e.conversation_handle = handle
+                                 ORDER BY i.is_initiator DESC LIMIT 1)
+    FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN broker._lock_endpoint(handle);
+END $$;
+REVOKE EXECUTE ON FUNCTION broker._try_lock_endpoint(uuid) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION broker._try_lock_endpoint(uuid) TO broker_relay, broker_admin;
+
 -- Fires due conversation timers and lifetimes, and delivers the held messages
 -- of local conversations that are due, of one queue or (target_queue_id NULL)
 -- every queue, at most max_events endpoints a call; returns how many it fired
@@ -341,20 +361,14 @@ DECLARE
     fired integer := 0;
 BEGIN
     FOR due IN
-        SELECT conversation_handle, conversation_id FROM broker.endpoints
+        SELECT conversation_handle FROM broker.endpoints
         WHERE (target_queue_id IS NULL OR queue_id = target_queue_id)
           AND (timer_at <= due_by
                OR (expires_at <= due_by AND state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound')))
         LIMIT max_events
     LOOP
-        -- Lock the initiator without waiting, then the rest: the usual order.
-        PERFORM 1 FROM broker.endpoints
-        WHERE conversation_handle = (SELECT conversation_handle FROM broker.endpoints
-                                     WHERE conversation_id = due.conversation_id
-                                     ORDER BY is_initiator DESC LIMIT 1)
-        FOR UPDATE SKIP LOCKED;
-        CONTINUE WHEN NOT FOUND;
-        e := broker._lock_endpoint(due.conversation_handle);
+        e := broker._try_lock_endpoint(due.conversation_handle);
+        CONTINUE WHEN e.conversation_handle IS NULL;
         IF e.timer_at <= due_by THEN
             UPDATE broker.endpoints SET timer_at = NULL WHERE conversation_handle = e.conversation_handle;
             PERFORM broker._enqueue(e, 0, (broker._message_type('broker.dialog_timer')).message_type_id, NULL);
@@ -369,7 +383,7 @@ BEGIN
     -- conversation's in order; the earliest held message of a conversation is
     -- always one with a delivery time of its own, in transmission_queue_held.
     FOR due IN
-        SELECT DISTINCT t.conversation_handle, sender.conversation_id
+        SELECT DISTINCT t.conversation_handle
         FROM broker.services s
         JOIN broker.transmission_queue t
           ON t.to_service = s.name AND t.next_attempt_at > t.enqueued_at AND t.next_attempt_at <= due_by
@@ -377,13 +391,8 @@ BEGIN
         WHERE target_queue_id IS NULL OR s.queue_id = target_queue_id
         LIMIT max_events
     LOOP
-        PERFORM 1 FROM broker.endpoints
-        WHERE conversation_handle = (SELECT conversation_handle FROM broker.endpoints
-                                     WHERE conversation_id = due.conversation_id
-                                     ORDER BY is_initiator DESC LIMIT 1)
-        FOR UPDATE SKIP LOCKED;
-        CONTINUE WHEN NOT FOUND;
-        e := broker._lock_endpoint(due.conversation_handle);
+        e := broker._try_lock_endpoint(due.conversation_handle);
+        CONTINUE WHEN e.conversation_handle IS NULL;
         FOR held IN
             SELECT t.* FROM broker.transmission_queue t
             WHERE t.to_service = e.far_service AND t.conversation_handle = e.conversation_handle

@@ -12,16 +12,8 @@ from sqlalchemy import text
 
 import broker
 from broker import queries
-from tests.factories import SHOP_QUEUE, WAREHOUSE_QUEUE, begin, endpoint_state, target_handle
+from tests.factories import SHOP_QUEUE, WAREHOUSE_QUEUE, begin, endpoint_state, notes_waiting, target_handle
 from tests.rest import ApiServer, new_key
-
-
-def _sent(engine, *bodies: str):
-    with engine.begin() as connection:
-        handle = begin(connection)
-        for body in bodies:
-            broker.send(connection, handle, "order.note", body)
-    return handle
 
 
 def _letters(engine, queue=WAREHOUSE_QUEUE):
@@ -35,8 +27,8 @@ def _warehouse_side(engine):
 
 
 def test_a_reader_that_rolled_back_dead_letters_the_conversation_with_its_reason(engine, orders):
-    handle = _sent(engine, "bad", "after")
-    other = _sent(engine, "fine")
+    handle = notes_waiting(engine, "bad", "after")
+    other = notes_waiting(engine, "fine")
     with engine.connect() as connection:
         [first, _] = broker.receive(connection, WAREHOUSE_QUEUE, 10)
         connection.rollback()  # the messages come back
@@ -56,7 +48,7 @@ def test_a_reader_that_rolled_back_dead_letters_the_conversation_with_its_reason
 
 
 def test_dead_lettering_needs_the_group_and_a_waiting_message_and_a_reason(engine, orders):
-    _sent(engine, "one")
+    notes_waiting(engine, "one")
     side = _warehouse_side(engine)
     with engine.connect() as holder, engine.connect() as other:
         broker.receive(holder, WAREHOUSE_QUEUE, 10)
@@ -108,7 +100,7 @@ def test_a_lease_dead_letters_one_conversation_and_hands_the_others_back(engine,
 def test_resubmit_puts_a_quarantined_conversations_letters_back_in_order(engine, orders):
     with engine.begin() as connection:
         broker.alter_queue(connection, WAREHOUSE_QUEUE, poison_threshold=1)
-    _sent(engine, "1", "2", "3")
+    notes_waiting(engine, "1", "2", "3")
     side = _warehouse_side(engine)
     with engine.connect() as connection:
         [message, *_] = broker.receive(connection, WAREHOUSE_QUEUE, 10)
@@ -135,7 +127,7 @@ def test_resubmit_puts_a_quarantined_conversations_letters_back_in_order(engine,
 
 def test_purge_deletes_a_queues_dead_letters_or_the_old_ones(engine, orders):
     for body in ("a", "b"):
-        _sent(engine, body)
+        notes_waiting(engine, body)
     for side in _sides(engine):
         with engine.begin() as connection:
             broker.dead_letter_conversation(connection, side, "purge me")
@@ -156,7 +148,7 @@ def _sides(engine):
 
 
 def test_dead_letters_over_rest(database_url, orders, engine):
-    _sent(engine, '{"sku": 1}', "\x00\xff")
+    notes_waiting(engine, '{"sku": 1}', "\x00\xff")
     with ApiServer(database_url) as api, api.client(new_key(engine, f"receive:{WAREHOUSE_QUEUE}")) as reader, \
             api.client(new_key(engine, "admin")) as admin:
         lock = reader.post(f"/v1/queues/{WAREHOUSE_QUEUE}/receive", json={}).json()
@@ -192,7 +184,7 @@ def _cli(database_url, *args, stdin=""):
 
 
 def test_the_dead_letters_command_shows_and_purges(engine, orders, database_url):
-    _sent(engine, "one")
+    notes_waiting(engine, "one")
     with engine.begin() as connection:
         broker.dead_letter_conversation(connection, _warehouse_side(engine), "\x1b[31mred\x1b[0m")
     shown = _cli(database_url, "dead-letters", WAREHOUSE_QUEUE)

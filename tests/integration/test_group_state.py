@@ -8,22 +8,14 @@ import pytest
 from sqlalchemy import text
 
 import broker
-from tests.factories import WAREHOUSE_QUEUE, begin
+from tests.factories import WAREHOUSE_QUEUE, notes_waiting
 from tests.rest import ApiServer, new_key
 
 RECEIVE = f"/v1/queues/{WAREHOUSE_QUEUE}/receive"
 
 
-def _sent(engine, *bodies: str):
-    with engine.begin() as connection:
-        handle = begin(connection)
-        for body in bodies:
-            broker.send(connection, handle, "order.note", body)
-    return handle
-
-
 def test_state_is_kept_with_the_messages_it_goes_with(engine, orders):
-    _sent(engine, "1", "2", "3")
+    notes_waiting(engine, "1", "2", "3")
     with engine.begin() as connection:
         [first] = broker.receive(connection, WAREHOUSE_QUEUE, 1)
         group = first.conversation_group_id
@@ -46,7 +38,7 @@ def test_state_is_kept_with_the_messages_it_goes_with(engine, orders):
 
 
 def test_a_reader_that_does_not_hold_the_group_cannot_touch_its_state(engine, orders):
-    _sent(engine, "1")
+    notes_waiting(engine, "1")
     with engine.connect() as holder, engine.connect() as other:
         [message] = broker.receive(holder, WAREHOUSE_QUEUE, 1)
         for call in (lambda: broker.get_conversation_group_state(other, message.conversation_group_id),
@@ -58,7 +50,7 @@ def test_a_reader_that_does_not_hold_the_group_cannot_touch_its_state(engine, or
 
 
 def test_reading_state_holds_the_group_until_the_transaction_ends(engine, orders):
-    _sent(engine, "1")
+    notes_waiting(engine, "1")
     with engine.begin() as connection:
         group = connection.execute(text("SELECT conversation_group_id FROM broker.queue_messages")).scalar_one()
     with engine.connect() as holder:
@@ -71,7 +63,7 @@ def test_reading_state_holds_the_group_until_the_transaction_ends(engine, orders
 
 
 def test_state_under_a_lease_takes_its_token(engine, orders):
-    _sent(engine, "1")
+    notes_waiting(engine, "1")
     with engine.begin() as connection:
         [leased] = broker.receive_with_lock(connection, WAREHOUSE_QUEUE, 1, timedelta(seconds=30))
     group, token = leased.conversation_group_id, leased.lock_token
@@ -97,7 +89,7 @@ def test_state_of_no_group_is_refused(engine, orders, group, error, words):
 
 
 def test_state_larger_than_a_message_is_refused(engine, orders):
-    _sent(engine, "1")
+    notes_waiting(engine, "1")
     with engine.begin() as connection:
         limit = connection.execute(text("SELECT max_message_bytes FROM broker.node")).scalar_one()
     with pytest.raises(broker.MessageTooLarge), engine.begin() as connection:
@@ -107,7 +99,7 @@ def test_state_larger_than_a_message_is_refused(engine, orders):
 
 def test_two_readers_of_one_group_never_lose_an_update(engine, orders):
     """Each reader adds its message to a count kept in the state: the group lock serialises them."""
-    _sent(engine, *[str(n) for n in range(40)])
+    notes_waiting(engine, *[str(n) for n in range(40)])
     errors = []
 
     def reader():
@@ -134,7 +126,7 @@ def test_two_readers_of_one_group_never_lose_an_update(engine, orders):
 
 
 def test_state_over_rest_goes_with_the_lock(database_url, orders, engine):
-    _sent(engine, "1", "2")
+    notes_waiting(engine, "1", "2")
     with ApiServer(database_url) as api, api.client(new_key(engine, f"receive:{WAREHOUSE_QUEUE}")) as client, \
             api.client(new_key(engine, "receive:shop_queue")) as stranger:
         token = client.post(RECEIVE, json={"max_messages": 1}).json()["lock_token"]

@@ -14,13 +14,6 @@ RECEIVE = "/v1/queues/warehouse_queue/receive"
 SECONDS = timedelta(seconds=1)
 
 
-def _waiting(engine, *bodies: str) -> None:
-    with engine.begin() as connection:
-        handle = factories.begin(connection)
-        for body in bodies:
-            broker.send(connection, handle, "order.note", body)
-
-
 def _lease(engine, lock_s: float = 30) -> list[broker.LockedMessage]:
     with engine.begin() as connection:
         return broker.receive_with_lock(connection, factories.WAREHOUSE_QUEUE, 10, lock_s * SECONDS)
@@ -39,7 +32,7 @@ def _failed_attempts(engine) -> list[int]:
 
 
 def test_a_renewed_lock_outlives_its_first_expiry_and_counts_no_failure(engine, orders):
-    _waiting(engine, "one", "two")
+    factories.notes_waiting(engine, "one", "two")
     lease = _lease(engine, lock_s=0.5)
     token = lease[0].lock_token
     with engine.begin() as connection:
@@ -54,7 +47,7 @@ def test_a_renewed_lock_outlives_its_first_expiry_and_counts_no_failure(engine, 
 
 
 def test_a_lock_can_be_renewed_again_and_again_and_shortened(engine, orders):
-    _waiting(engine, "one")
+    factories.notes_waiting(engine, "one")
     token = _lease(engine)[0].lock_token
     for seconds in (60, 5, 0.4):
         with engine.begin() as connection:
@@ -67,7 +60,7 @@ def test_a_lock_can_be_renewed_again_and_again_and_shortened(engine, orders):
 
 @pytest.mark.parametrize("duration", [timedelta(0), -SECONDS, timedelta(days=1, seconds=1), None])
 def test_a_renewal_out_of_range_is_refused_and_leaves_the_lock_as_it_was(engine, orders, duration):
-    _waiting(engine, "one")
+    factories.notes_waiting(engine, "one")
     [message] = _lease(engine)
     with pytest.raises(broker.InvalidArgument, match="lock_duration must be positive and at most a day"), \
             engine.begin() as connection:
@@ -77,7 +70,7 @@ def test_a_renewal_out_of_range_is_refused_and_leaves_the_lock_as_it_was(engine,
 
 
 def test_a_lost_lock_says_it_was_completed_abandoned_expired_or_is_unknown(engine, orders):
-    _waiting(engine, "one")
+    factories.notes_waiting(engine, "one")
     completed = _lease(engine)[0].lock_token
     with engine.begin() as connection:
         broker.complete_lock(connection, completed)
@@ -87,7 +80,7 @@ def test_a_lost_lock_says_it_was_completed_abandoned_expired_or_is_unknown(engin
     lost = _lost(engine, broker.renew_lock, completed, SECONDS)
     assert lost.reason == "completed"
 
-    _waiting(engine, "two")
+    factories.notes_waiting(engine, "two")
     abandoned = _lease(engine)[0].lock_token
     with engine.begin() as connection:
         broker.abandon_lock(connection, abandoned)
@@ -121,7 +114,7 @@ def test_endings_are_forgotten_an_hour_after_they_were_recorded_a_few_at_a_time(
                                 " SELECT token, :queue_id, 'completed', now() - interval '2 hours',"
                                 " now() - interval '2 hours' FROM unnest(CAST(:tokens AS uuid[])) token"),
                            {"queue_id": queue_id, "tokens": [str(token) for token in old]})
-    _waiting(engine, "one")
+    factories.notes_waiting(engine, "one")
     token = _lease(engine)[0].lock_token
     with engine.begin() as connection:
         broker.complete_lock(connection, token)
@@ -134,7 +127,7 @@ def test_endings_are_forgotten_an_hour_after_they_were_recorded_a_few_at_a_time(
 
 
 def test_dropping_a_queue_forgets_its_endings(engine, orders):
-    _waiting(engine, "one")
+    factories.notes_waiting(engine, "one")
     token = _lease(engine)[0].lock_token
     with engine.begin() as connection:
         broker.complete_lock(connection, token)
@@ -173,7 +166,7 @@ def _lock_lost(response, reason: str) -> dict:
 
 
 def test_renew_over_rest_holds_the_lock_past_its_first_expiry(engine, receiver):
-    _waiting(engine, "one", "two")
+    factories.notes_waiting(engine, "one", "two")
     lock = receiver.post(RECEIVE, json={"max_messages": 10, "lock_s": 0.5}).json()
     renewed = receiver.post(f"/v1/locks/{lock['lock_token']}/renew", json={"lock_s": 30})
     assert renewed.status_code == 200, renewed.text
@@ -186,7 +179,7 @@ def test_renew_over_rest_holds_the_lock_past_its_first_expiry(engine, receiver):
 
 
 def test_renew_over_rest_without_a_body_holds_for_thirty_seconds(engine, receiver):
-    _waiting(engine, "one")
+    factories.notes_waiting(engine, "one")
     lock = receiver.post(RECEIVE, json={"lock_s": 1}).json()
     renewed = receiver.post(f"/v1/locks/{lock['lock_token']}/renew").json()
     remaining = datetime.fromisoformat(renewed["lock_expires_at"]) - datetime.now(timezone.utc)
@@ -194,12 +187,12 @@ def test_renew_over_rest_without_a_body_holds_for_thirty_seconds(engine, receive
 
 
 def test_a_lost_lock_over_rest_says_why(engine, receiver):
-    _waiting(engine, "one")
+    factories.notes_waiting(engine, "one")
     lock = receiver.post(RECEIVE, json={}).json()["lock_token"]
     assert receiver.post(f"/v1/locks/{lock}/complete").json() == {"completed": 1}
     for action in ("complete", "renew", "abandon"):  # a retry whose first answer was lost learns it was done
         _lock_lost(receiver.post(f"/v1/locks/{lock}/{action}"), "completed")
-    _waiting(engine, "two")
+    factories.notes_waiting(engine, "two")
     lock = receiver.post(RECEIVE, json={}).json()["lock_token"]
     receiver.post(f"/v1/locks/{lock}/abandon")
     _lock_lost(receiver.post(f"/v1/locks/{lock}/renew", json={"lock_s": 10}), "abandoned")
@@ -213,7 +206,7 @@ def test_a_lost_lock_over_rest_says_why(engine, receiver):
 @pytest.mark.parametrize("body", [{"lock_s": 0}, {"lock_s": 86401}, {"lock_s": "long"}, {"lock_s": 5, "extra": 1},
                                   [1]])
 def test_a_renewal_the_schema_refuses_leaves_the_lock_alone(engine, receiver, body):
-    _waiting(engine, "one")
+    factories.notes_waiting(engine, "one")
     lock = receiver.post(RECEIVE, json={"lock_s": 30}).json()
     response = receiver.post(f"/v1/locks/{lock['lock_token']}/renew", json=body)
     assert response.status_code == 422 and response.headers["content-type"] == "application/problem+json"
@@ -223,7 +216,7 @@ def test_a_renewal_the_schema_refuses_leaves_the_lock_alone(engine, receiver, bo
 
 
 def test_a_key_for_another_queue_can_neither_renew_a_lock_nor_learn_how_it_ended(api, engine, receiver):
-    _waiting(engine, "one")
+    factories.notes_waiting(engine, "one")
     live = receiver.post(RECEIVE, json={}).json()["lock_token"]
     with api.client(new_key(engine, f"receive:{factories.SHOP_QUEUE}")) as stranger:
         assert stranger.post(f"/v1/locks/{live}/renew").status_code == 403
