@@ -123,7 +123,7 @@ class InternalErrors:
 
 # What each error status means in the OpenAPI document; every one answers a ProblemDetails.
 ERRORS = {
-    400: "An argument the broker refuses", 401: "No valid API key", 403: "The key lacks the scope",
+    400: "An argument the broker refuses, or a body that is not JSON", 401: "No valid API key", 403: "The key lacks the scope",
     404: "Unknown object", 408: "The request body did not come in time",
     409: "Conflict with the current state (a lost lock is one: the lease no longer allows this)",
     413: "Request too large", 422: "Request does not match the schema or the contract",
@@ -132,8 +132,8 @@ ERRORS = {
 # What every route with an API key may answer: no valid key (before the body is read), a key without the scope,
 # a failure of the node, the database unavailable.
 KEYED = (401, 403, 500, 503)
-# What a route that reads a body may answer besides: the body too slow, too large, or off the schema.
-READS_BODY = (408, 413, 422)
+# What a route that reads a body may answer besides: the body not JSON, too slow, too large, or off the schema.
+READS_BODY = (400, 408, 413, 422)
 
 
 def error_responses(*statuses: int) -> dict[int, dict]:

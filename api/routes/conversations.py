@@ -142,7 +142,7 @@ def _sending_endpoint(connection: Connection, key: ApiKey, handle: UUID):
 
 
 @router.post("", status_code=201, response_model=Conversation, summary="Begin a conversation",
-             responses=error_responses(400, 404, 409, *READS_BODY))
+             responses=error_responses(404, 409, *READS_BODY))
 def begin_conversation(begin: BeginConversation, request: Request, key: ApiKey = Depends(api_key)) -> Any:
     require(key, f"send:{begin.from_service}")
     lifetime = timedelta(seconds=begin.lifetime_s) if begin.lifetime_s else None
@@ -163,7 +163,7 @@ def get_conversation(conversation_handle: UUID, request: Request, key: ApiKey = 
 
 
 @router.post("/{conversation_handle}/messages", status_code=201, response_model=Sent, summary="Send a message",
-             responses=error_responses(400, 404, 409, *READS_BODY))
+             responses=error_responses(404, 409, *READS_BODY))
 def send_message(conversation_handle: UUID, message: SendMessage, request: Request,
                  key: ApiKey = Depends(api_key)) -> Sent:
     body = bodies.encode(message.body, message.body_base64)
@@ -180,7 +180,7 @@ def send_message(conversation_handle: UUID, message: SendMessage, request: Reque
 
 
 @messages_router.post("/messages", response_model=SentMany, summary="Send many messages, on any conversations",
-                      responses=error_responses(400, 404, 409, *READS_BODY))
+                      responses=error_responses(404, 409, *READS_BODY))
 def send_messages(batch: SendMessages, request: Request, key: ApiKey = Depends(api_key)) -> SentMany:
     """One request and one transaction for many numbered sends: each as POST …/messages with its sequence_number
     would do it, all or none.  The key needs send:<service> for every conversation named."""
@@ -200,7 +200,7 @@ def send_messages(batch: SendMessages, request: Request, key: ApiKey = Depends(a
 
 
 @router.post("/{conversation_handle}/end", response_model=Conversation, summary="End a conversation",
-             responses=error_responses(400, 404, 409, *READS_BODY))
+             responses=error_responses(404, 409, *READS_BODY))
 def end_conversation(conversation_handle: UUID, request: Request, end: EndConversation | None = None,
                      key: ApiKey = Depends(api_key)) -> Any:
     end = end or EndConversation()
@@ -212,7 +212,7 @@ def end_conversation(conversation_handle: UUID, request: Request, end: EndConver
 
 
 @router.post("/{conversation_handle}/move", response_model=Conversation, summary="Move a conversation to another group",
-             responses=error_responses(400, 404, 409, *READS_BODY))
+             responses=error_responses(404, 409, *READS_BODY))
 def move_conversation(conversation_handle: UUID, move: MoveConversation, request: Request,
                       key: ApiKey = Depends(api_key)) -> Any:
     """Moves this side of the conversation, and its waiting messages, to another conversation group of its

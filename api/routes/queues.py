@@ -167,7 +167,7 @@ def _queue_id(engine, queue: str) -> int:
 
 @router.post("/v1/queues/{queue}/receive", response_model=Received, summary="Receive with peek-lock",
              responses={204: {"description": "nothing arrived within wait_ms"},
-                        **error_responses(400, 404, 409, *READS_BODY)})
+                        **error_responses(404, 409, *READS_BODY)})
 async def receive(queue: NamePath, request: Request, options: ReceiveRequest | None = None,
                   key: ApiKey = Depends(api_key)) -> Any:
     """Locks the next conversation group and returns its next messages in order.
@@ -241,7 +241,7 @@ def complete_lock(lock_token: UUID, request: Request, key: ApiKey = Depends(api_
 
 
 @router.post("/v1/locks/{lock_token}/renew", response_model=Renewed, summary="Hold a lock longer",
-             responses=error_responses(400, 409, *READS_BODY))
+             responses=error_responses(409, *READS_BODY))
 def renew_lock(lock_token: UUID, request: Request, options: RenewRequest | None = None,
                key: ApiKey = Depends(api_key)) -> Renewed:
     """Extends a live lock to lock_s from now, so that long work keeps its messages without an expiry
@@ -277,7 +277,7 @@ def set_group_state(lock_token: UUID, update: GroupState, request: Request,
 
 
 @router.post("/v1/locks/{lock_token}/dead-letter", response_model=DeadLettered,
-             summary="Dead-letter a conversation of a lock", responses=error_responses(400, 404, 409, *READS_BODY))
+             summary="Dead-letter a conversation of a lock", responses=error_responses(404, 409, *READS_BODY))
 def dead_letter(lock_token: UUID, request_body: DeadLetterRequest, request: Request,
                 key: ApiKey = Depends(api_key)) -> DeadLettered:
     """Moves what waits of one conversation of the lock's messages to the dead letters, with the reason on its
@@ -348,7 +348,7 @@ def _dead_letter_json(letter) -> str:
 
 
 @router.post("/v1/queues/{queue}/dead-letters/resubmit", response_model=Resubmitted,
-             summary="Put a conversation's dead letters back", responses=error_responses(400, 404, 409, *READS_BODY))
+             summary="Put a conversation's dead letters back", responses=error_responses(404, 409, *READS_BODY))
 def resubmit_dead_letters(queue: NamePath, resubmit: Resubmit, request: Request,
                           key: ApiKey = Depends(api_key)) -> Resubmitted:
     """Puts a quarantined conversation's dead letters back into the queue, in order, to be processed again
@@ -359,7 +359,7 @@ def resubmit_dead_letters(queue: NamePath, resubmit: Resubmit, request: Request,
 
 
 @router.post("/v1/queues/{queue}/dead-letters/purge", response_model=Purged, summary="Delete a queue's dead letters",
-             responses=error_responses(400, 404, *READS_BODY))
+             responses=error_responses(404, *READS_BODY))
 def purge_dead_letters(queue: NamePath, request: Request, options: PurgeDeadLetters | None = None,
                        key: ApiKey = Depends(api_key)) -> Purged:
     """Deletes the queue's dead letters, or those dead-lettered longer ago than older_than_s (needs the admin
