@@ -75,20 +75,22 @@ $$;
 -- Records how a lease ended and forgets up to ten endings recorded more than
 -- an hour ago, passing over any that another session is forgetting: each
 -- ending makes room for itself, so the table stays as large as an hour of
--- leases.
+-- leases.  plpgsql rather than sql: the plans are kept, not made at each call.
 CREATE FUNCTION broker._record_lease_end(token uuid, queue_id integer, how text, ended_at timestamptz)
 RETURNS void
-LANGUAGE sql AS $$
+LANGUAGE plpgsql AS $$
+BEGIN
     WITH forgotten AS (
         SELECT e.lock_token FROM broker.ended_leases e
-        WHERE e.recorded_at < clock_timestamp() - interval '1 hour'
+        WHERE e.recorded_at < now() - interval '1 hour'  -- now(): stable, so the index can serve it
         ORDER BY e.recorded_at
         LIMIT 10
         FOR UPDATE SKIP LOCKED
     )
     DELETE FROM broker.ended_leases e USING forgotten WHERE e.lock_token = forgotten.lock_token;
-    INSERT INTO broker.ended_leases (lock_token, queue_id, how, ended_at) VALUES (token, queue_id, how, ended_at);
-$$;
+    INSERT INTO broker.ended_leases (lock_token, queue_id, how, ended_at)
+    VALUES (token, _record_lease_end.queue_id, _record_lease_end.how, _record_lease_end.ended_at);
+END $$;
 
 -- With the group's row locked: true when no live lease holds the group.  An
 -- expired lease is ended here and counted as a processing failure.
