@@ -47,8 +47,9 @@ class ProblemDetails(BaseModel):
     hint: str | None = None
     expected_sequence_number: int | None = Field(None, description="with sequence-conflict: the number that comes next")
     limit_bytes: int | None = Field(None, description="with too-large for a request: the node's limit")
-    reason: Literal["expired", "completed", "abandoned", "purged", "dead_lettered", "unknown"] | None = Field(None, description=(
-        "with lock-lost: why the lock was lost (unknown: it never existed, or ended more than an hour ago)"))
+    reason: Literal["expired", "completed", "abandoned", "purged", "dead_lettered", "unknown"] | None = Field(
+        None, description="with lock-lost: why the lock was lost (unknown: it never existed, or ended more than an "
+                          "hour ago)")
 
 
 class Problem(Exception):
@@ -123,7 +124,8 @@ class InternalErrors:
 
 # What each error status means in the OpenAPI document; every one answers a ProblemDetails.
 ERRORS = {
-    400: "An argument the broker refuses, or a body that is not JSON", 401: "No valid API key", 403: "The key lacks the scope",
+    400: "An argument the broker refuses, or a body that is not JSON", 401: "No valid API key",
+    403: "The key lacks the scope",
     404: "Unknown object", 408: "The request body did not come in time",
     409: "Conflict with the current state (a lost lock is one: the lease no longer allows this)",
     413: "Request too large", 422: "Request does not match the schema or the contract",

@@ -73,8 +73,9 @@ CASES = {
                           broker.InvalidArgument, "BR050", "max_messages must be at least 1"),
     "negative wait": (lambda c, h: broker.receive(c, WAREHOUSE_QUEUE, wait_ms=-2),
                       broker.InvalidArgument, "BR050", "wait_ms must be -1 (wait until a message comes) or more"),
-    "receive by a conversation of another queue": (lambda c, h: broker.receive(c, WAREHOUSE_QUEUE, conversation_handle=h),
-                                                   broker.UnknownObject, "BR005", "in queue 'warehouse_queue'"),
+    "receive by a conversation of another queue": (
+        lambda c, h: broker.receive(c, WAREHOUSE_QUEUE, conversation_handle=h),
+        broker.UnknownObject, "BR005", "in queue 'warehouse_queue'"),
     "related conversation and group both": (lambda c, h: begin(c, related_conversation=h,
                                                                related_conversation_group=uuid4()),
                                             broker.InvalidArgument, "BR050", "not both"),

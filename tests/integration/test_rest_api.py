@@ -292,7 +292,8 @@ def test_keys_are_checked_on_every_route(api, engine, admin):
               ("post", "/v1/queues/warehouse_queue/dead-letters/purge", None),
               ("post", "/v1/queues/warehouse_queue/dead-letters/resubmit", {"conversation_handle": handle}),
               ("post", f"/v1/locks/{lock}/dead-letter", {"conversation_handle": handle, "reason": "x"}),
-              ("get", f"/v1/locks/{lock}/state", None), ("put", f"/v1/locks/{lock}/state", {"state": 1}), ("get", "/v1/queues/warehouse_queue", None),
+              ("get", f"/v1/locks/{lock}/state", None), ("put", f"/v1/locks/{lock}/state", {"state": 1}),
+              ("get", "/v1/queues/warehouse_queue", None),
               ("get", "/v1/transmission-queue", None), ("get", "/v1/message-types", None),
               ("get", "/v1/contracts", None), ("get", "/v1/services", None), ("get", "/v1/routes", None),
               ("get", "/metrics", None)]
@@ -448,8 +449,11 @@ def test_the_openapi_document_shows_every_route_with_examples(api):
             "/v1/conversations/{conversation_handle}/messages", "/v1/conversations/{conversation_handle}/end",
             "/v1/queues/{queue}/receive", "/v1/locks/{lock_token}/complete", "/v1/locks/{lock_token}/abandon",
             "/v1/locks/{lock_token}/renew", "/v1/conversations/{conversation_handle}/move",
-            "/v1/queues/{queue}/purge", "/v1/queues", "/v1/queues/{queue}", "/v1/transmission-queue", "/v1/message-types", "/v1/contracts",
-            "/v1/services", "/v1/routes", "/healthz", "/readyz", "/metrics"} <= paths
+            "/v1/queues/{queue}/purge", "/v1/queues", "/v1/queues/{queue}", "/v1/transmission-queue",
+            "/v1/message-types", "/v1/contracts", "/v1/services", "/v1/routes", "/healthz", "/readyz",
+            "/metrics", "/v1/locks/{lock_token}/state", "/v1/locks/{lock_token}/dead-letter",
+            "/v1/queues/{queue}/dead-letters", "/v1/queues/{queue}/dead-letters/resubmit",
+            "/v1/queues/{queue}/dead-letters/purge"} <= paths
     assert not any(path.startswith("/transport") for path in paths)
     schemas = document["components"]["schemas"]
     for model in ("BeginConversation", "SendMessage", "ReceiveRequest", "RenewRequest", "MoveConversation",
