@@ -206,12 +206,17 @@ def _received(messages: list[broker.LockedMessage]) -> Response:
                     media_type="application/json")
 
 
+def _with_body(fields: BaseModel, body: bytes | None) -> str:
+    """A model's JSON with the stored body spliced in as its body or body_base64 member (api.bodies.as_members)."""
+    return f'{fields.model_dump_json(exclude={"body", "body_base64"})[:-1]},{bodies.as_members(body)}}}'
+
+
 def _message_json(m: broker.LockedMessage) -> str:
-    fields = Message(conversation_id=m.conversation_id, conversation_handle=m.conversation_handle,
-                     conversation_group_id=m.conversation_group_id, sequence_number=m.message_sequence_number,
-                     message_type=m.message_type, service_name=m.service_name, contract_name=m.contract_name,
-                     enqueued_at=m.enqueued_at, queue_position=m.queue_position, delivery_count=m.delivery_count)
-    return f'{fields.model_dump_json(exclude={"body", "body_base64"})[:-1]},{bodies.as_members(m.body)}}}'
+    return _with_body(Message(conversation_id=m.conversation_id, conversation_handle=m.conversation_handle,
+                              conversation_group_id=m.conversation_group_id, sequence_number=m.message_sequence_number,
+                              message_type=m.message_type, service_name=m.service_name,
+                              contract_name=m.contract_name, enqueued_at=m.enqueued_at,
+                              queue_position=m.queue_position, delivery_count=m.delivery_count), m.body)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
@@ -343,8 +348,7 @@ def list_dead_letters(queue: NamePath, request: Request, key: ApiKey = Depends(a
 
 def _dead_letter_json(letter) -> str:
     fields = DeadLetterMessage(**{**letter._mapping, "sequence_number": letter.message_sequence_number, "body": None})
-    body = None if letter.body is None else bytes(letter.body)
-    return f'{fields.model_dump_json(exclude={"body", "body_base64"})[:-1]},{bodies.as_members(body)}}}'
+    return _with_body(fields, None if letter.body is None else bytes(letter.body))
 
 
 @router.post("/v1/queues/{queue}/dead-letters/resubmit", response_model=Resubmitted,
