@@ -115,6 +115,18 @@ def drop_route(executor: Executor, service_name: str) -> None:
     _call(executor, "SELECT broker.drop_route(:service)", service=service_name)
 
 
+def create_broker_priority(executor: Executor, name: str, priority: int, *, contract: str | None = None,
+                           local_service: str | None = None, remote_service: str | None = None) -> None:
+    """Service Broker's CREATE BROKER PRIORITY: conversation sides created from now on for this contract, local
+    and remote service (None: any) get this priority, 1 to 10 (default 5); the most specific match wins."""
+    _call(executor, "SELECT broker.create_broker_priority(:name, :priority, :contract, :local, :remote)",
+          name=name, priority=priority, contract=contract, local=local_service, remote=remote_service)
+
+
+def drop_broker_priority(executor: Executor, name: str) -> None:
+    _call(executor, "SELECT broker.drop_broker_priority(:name)", name=name)
+
+
 # Conversations
 
 

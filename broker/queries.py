@@ -88,9 +88,16 @@ SERVICES = text(
     " LEFT JOIN broker.contracts c ON c.contract_id = sc.contract_id"
     " WHERE CAST(:names AS text[]) IS NULL OR s.name = ANY(CAST(:names AS text[]))"
     " GROUP BY s.name, q.name, q.is_enabled ORDER BY s.name")
+BROKER_PRIORITIES = text(
+    "SELECT name, priority, contract_name, local_service_name, remote_service_name FROM broker.broker_priorities"
+    " ORDER BY name")
 CONTRACTS_IN_USE = text(
     "SELECT DISTINCT far_service, contract_name FROM broker.conversation_endpoints"
     " WHERE NOT far_is_local AND state <> 'closed'")
+
+
+def broker_priorities(connection: Connection) -> list[Row]:
+    return connection.execute(BROKER_PRIORITIES).all()
 
 
 def message_types(connection: Connection) -> list[Row]:

@@ -43,6 +43,16 @@ class Route(BaseModel):
     created_at: datetime
 
 
+class BrokerPriority(BaseModel):
+    """Conversation sides created for this contract between these services (null: any) get this priority."""
+
+    name: str
+    priority: int = Field(ge=1, le=10, examples=[8])
+    contract_name: str | None
+    local_service_name: str | None
+    remote_service_name: str | None
+
+
 class WaitingMessage(BaseModel):
     conversation_handle: UUID
     conversation_id: UUID
@@ -84,6 +94,11 @@ def list_services(request: Request, key: ApiKey = Depends(api_key)) -> Any:
 @router.get("/routes", response_model=list[Route], summary="Routes to remote services")
 def list_routes(request: Request, key: ApiKey = Depends(api_key)) -> Any:
     return _read(request, key, queries.routes)
+
+
+@router.get("/broker-priorities", response_model=list[BrokerPriority], summary="Conversation priorities")
+def list_broker_priorities(request: Request, key: ApiKey = Depends(api_key)) -> Any:
+    return _read(request, key, queries.broker_priorities)
 
 
 @router.get("/transmission-queue", response_model=list[WaitingMessage], tags=["queues"],

@@ -56,6 +56,8 @@ class Conversation(BaseModel):
     expires_at: datetime | None
     created_at: datetime
     closed_at: datetime | None
+    priority: int = Field(description="1 to 10: groups of a higher priority are received, and messages of a higher "
+                                      "priority sent to another node, first")
 
 
 IDEMPOTENT = ("makes the send idempotent: the number this message must get. Resending the same number with the same "

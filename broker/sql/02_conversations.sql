@@ -12,6 +12,20 @@ CREATE TABLE broker.conversation_groups (
     queue_id               integer NOT NULL REFERENCES broker.queues
 );
 
+-- Service Broker's BROKER PRIORITY: a conversation side created for a contract
+-- between a local and a far service takes the priority (1 to 10) of the most
+-- specific match, the contract first, then the local service, then the far
+-- one; a name left NULL matches any.  Without a match it is 5.  A side keeps
+-- the priority it was created with.
+CREATE TABLE broker.broker_priorities (
+    name                 text PRIMARY KEY,
+    priority             smallint NOT NULL CHECK (priority BETWEEN 1 AND 10),
+    contract_name        text,
+    local_service_name   text,
+    remote_service_name  text,
+    UNIQUE NULLS NOT DISTINCT (contract_name, local_service_name, remote_service_name)
+);
+
 -- One side of a conversation.  A local conversation has both endpoints here.
 -- send_sequence is the last number this side sent; receive_sequence the last
 -- number it stored without a gap from the far side.  Endpoints are updated
@@ -38,6 +52,9 @@ CREATE TABLE broker.endpoints (
     closed_at              timestamptz,
     -- The latest delivery time of a message this side holds (broker._transmit).
     held_until             timestamptz,
+    -- Its messages are received, and sent to another node, before those of a
+    -- lower priority (see broker.broker_priorities).
+    priority               smallint NOT NULL DEFAULT 5,
     UNIQUE (conversation_id, is_initiator)
 ) WITH (fillfactor = 70);
 CREATE INDEX endpoints_group ON broker.endpoints (conversation_group_id);
@@ -92,16 +109,18 @@ CREATE TABLE broker.queue_messages (
     failed_attempts          integer NOT NULL DEFAULT 0,
     delivery_count           integer NOT NULL DEFAULT 0,
     notice_after             bigint,
+    priority                 smallint NOT NULL DEFAULT 5,  -- the receiving endpoint's
     PRIMARY KEY (queue_id, queue_position)
 ) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
 CREATE INDEX queue_messages_in_order ON broker.queue_messages
     (conversation_group_id, conversation_handle, (coalesce(notice_after, message_sequence_number)),
      (notice_after IS NOT NULL), queue_position);
--- A receive starts from the oldest waiting messages of its queue: an index
--- of exactly those keeps that a short walk, however many received messages a
--- retention queue keeps and whatever the planner's statistics say of them.
-CREATE INDEX queue_messages_waiting ON broker.queue_messages (queue_id, queue_position)
+-- A receive starts from the oldest waiting messages of the highest priority in
+-- its queue: an index of exactly those keeps that a short walk, however many
+-- received messages a retention queue keeps and whatever the planner's
+-- statistics say of them.
+CREATE INDEX queue_messages_waiting ON broker.queue_messages (queue_id, priority DESC, queue_position)
     WHERE received_at IS NULL;
 
 CREATE TABLE broker.dead_letters (
@@ -144,7 +163,7 @@ CREATE VIEW broker.conversation_endpoints AS
 SELECT e.conversation_handle, e.conversation_id, e.conversation_group_id, e.is_initiator,
        s.name AS service_name, q.name AS queue_name, e.far_service, e.far_is_local, e.far_broker_instance,
        c.name AS contract_name, e.state, e.send_sequence, e.receive_sequence,
-       e.expires_at, e.timer_at, e.created_at, e.closed_at
+       e.expires_at, e.timer_at, e.created_at, e.closed_at, e.priority
 FROM broker.endpoints e
 JOIN broker.services s USING (service_id)
 JOIN broker.queues q ON q.queue_id = e.queue_id
@@ -223,10 +242,11 @@ CREATE OR REPLACE FUNCTION broker._enqueue(receiver broker.endpoints, sequence_n
 RETURNS void
 LANGUAGE sql AS $$
     INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
-                                       conversation_id, message_sequence_number, message_type_id, body, notice_after)
+                                       conversation_id, message_sequence_number, message_type_id, body, notice_after,
+                                       priority)
     VALUES (receiver.queue_id, broker._next_queue_position(), receiver.conversation_group_id,
             receiver.conversation_handle, receiver.conversation_id, sequence_number, message_type_id, body,
-            CASE WHEN sequence_number = 0 THEN receiver.receive_sequence END);
+            CASE WHEN sequence_number = 0 THEN receiver.receive_sequence END, receiver.priority);
     SELECT pg_notify('broker_queue', receiver.queue_id::text);
 $$;
 
@@ -326,9 +346,9 @@ BEGIN
         PERFORM broker._deliver(far, sequence_number, mt, body);
     ELSE
         INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body, next_attempt_at)
+                                               to_service, message_type_id, body, next_attempt_at, priority)
         VALUES (sender.conversation_handle, sequence_number, sender.conversation_id,
-                sender.far_service, mt.message_type_id, body, greatest(hold_until, now()));
+                sender.far_service, mt.message_type_id, body, greatest(hold_until, now()), sender.priority);
         IF NOT sender.far_is_local THEN
             PERFORM pg_notify('broker_transmission_queue', '');
         END IF;
@@ -364,7 +384,8 @@ RETURNS bigint
 LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM broker.transmission_queue t
-    WHERE t.to_service = sender.far_service AND t.conversation_handle = sender.conversation_handle;
+    WHERE t.to_service = sender.far_service AND t.priority = sender.priority
+      AND t.conversation_handle = sender.conversation_handle;
     sender.held_until := NULL;  -- what was held is dropped, and the error goes now
     RETURN broker._transmit(sender, broker._message_type('broker.error'),
                             broker._error_body(error_code, error_description));
@@ -385,6 +406,56 @@ BEGIN
     UPDATE broker.endpoints SET state = 'error', timer_at = NULL WHERE conversation_handle = e.conversation_handle;
     PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id,
                             broker._error_body(error_code, error_description));
+END $$;
+
+------------------------------------------------------------------------------
+-- Priorities
+------------------------------------------------------------------------------
+
+CREATE FUNCTION broker.create_broker_priority(name text, priority integer, contract text DEFAULT NULL,
+                                              local_service text DEFAULT NULL, remote_service text DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM broker._check_name('broker priority', name);
+    IF priority IS NULL OR priority NOT BETWEEN 1 AND 10 THEN
+        PERFORM broker._raise('BR050', format('priority must be 1 to 10, got %s', coalesce(priority::text, 'NULL')));
+    END IF;
+    INSERT INTO broker.broker_priorities
+    VALUES (name, priority,
+            CASE WHEN contract IS NOT NULL THEN broker._check_name('contract', contract) END,
+            CASE WHEN local_service IS NOT NULL THEN broker._check_name('service', local_service) END,
+            CASE WHEN remote_service IS NOT NULL THEN broker._check_name('service', remote_service) END);
+EXCEPTION WHEN unique_violation THEN
+    PERFORM broker._raise('BR040', format('broker priority %L, or one for the same contract and services, already exists',
+        name));
+END $$;
+COMMENT ON FUNCTION broker.create_broker_priority(text, integer, text, text, text) IS
+    'Gives conversation sides created from now on for the contract, local and remote service given (NULL: any) a priority from 1 to 10 (default 5): their messages are received and transmitted first.';
+
+CREATE FUNCTION broker.drop_broker_priority(name text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM broker.broker_priorities p WHERE p.name = drop_broker_priority.name;
+    IF NOT FOUND THEN
+        PERFORM broker._raise('BR005', format('unknown broker priority %L', name));
+    END IF;
+END $$;
+COMMENT ON FUNCTION broker.drop_broker_priority(text) IS
+    'Drops a broker priority; conversation sides that have it keep it.';
+
+-- The priority of a new conversation side (see broker.broker_priorities).
+-- plpgsql rather than sql: its plan is kept for the session; as sql it was
+-- planned again in each begin_dialog, which then took twice as long.
+CREATE FUNCTION broker._priority(contract text, local_service text, remote_service text) RETURNS smallint
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN coalesce((SELECT p.priority FROM broker.broker_priorities p
+                     WHERE coalesce(p.contract_name = contract, true)
+                       AND coalesce(p.local_service_name = local_service, true)
+                       AND coalesce(p.remote_service_name = remote_service, true)
+                     ORDER BY p.contract_name IS NULL, p.local_service_name IS NULL, p.remote_service_name IS NULL
+                     LIMIT 1), 5::smallint);
 END $$;
 
 ------------------------------------------------------------------------------
@@ -446,16 +517,19 @@ BEGIN
 
     INSERT INTO broker.endpoints (conversation_handle, conversation_id, is_initiator, conversation_group_id,
                                   service_id, queue_id, far_service, far_is_local, far_broker_instance,
-                                  contract_id, expires_at)
+                                  contract_id, expires_at, priority)
     VALUES (handle, conversation, true, group_id, initiator_service.service_id, initiator_service.queue_id,
-            to_service, target_service.service_id IS NOT NULL, far_instance, dialog_contract, now() + lifetime);
+            to_service, target_service.service_id IS NOT NULL, far_instance, dialog_contract, now() + lifetime,
+            broker._priority(contract, from_service, to_service));
 
     IF target_service.service_id IS NOT NULL THEN
         INSERT INTO broker.conversation_groups VALUES (target_group, target_service.queue_id);
         INSERT INTO broker.endpoints (conversation_handle, conversation_id, is_initiator, conversation_group_id,
-                                      service_id, queue_id, far_service, far_is_local, contract_id, expires_at)
+                                      service_id, queue_id, far_service, far_is_local, contract_id, expires_at,
+                                      priority)
         VALUES (gen_random_uuid(), conversation, false, target_group, target_service.service_id,
-                target_service.queue_id, from_service, true, dialog_contract, now() + lifetime);
+                target_service.queue_id, from_service, true, dialog_contract, now() + lifetime,
+                broker._priority(contract, to_service, from_service));
     END IF;
     RETURN handle;
 END $$;
@@ -497,13 +571,13 @@ BEGIN
       AND cmt.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
       AND coalesce(octet_length(body), 0) <= (SELECT max_message_bytes FROM broker.node)
     RETURNING e.conversation_handle, e.send_sequence, e.conversation_id, e.far_service, t.message_type_id,
-              e.held_until
+              e.held_until, e.priority
     INTO numbered;
     IF FOUND THEN
         INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body, next_attempt_at)
+                                               to_service, message_type_id, body, next_attempt_at, priority)
         VALUES (numbered.conversation_handle, numbered.send_sequence, numbered.conversation_id, numbered.far_service,
-                numbered.message_type_id, body, greatest(numbered.held_until, now()));
+                numbered.message_type_id, body, greatest(numbered.held_until, now()), numbered.priority);
         PERFORM pg_notify('broker_transmission_queue', left(numbered.conversation_handle::text, 1));
         RETURN numbered.send_sequence;
     END IF;
@@ -628,21 +702,21 @@ BEGIN
     END IF;
     WITH numbered AS (
         SELECT g.k, g.h, e.send_sequence + row_number() OVER (PARTITION BY g.h ORDER BY g.k) AS sequence_number,
-               e.conversation_id, e.far_service, e.far_is_local, e.is_initiator, e.held_until, g.b
+               e.conversation_id, e.far_service, e.far_is_local, e.is_initiator, e.held_until, e.priority, g.b
         FROM unnest(conversation_handles, bodies) WITH ORDINALITY AS g(h, b, k)
         JOIN broker.endpoints e ON e.conversation_handle = g.h
         WHERE e.conversation_handle = ANY (conversation_handles)
     ), queued AS (
         INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body, next_attempt_at)
+                                               to_service, message_type_id, body, next_attempt_at, priority)
         SELECT n.h, n.sequence_number, n.conversation_id, n.far_service, mt.message_type_id, n.b,
-               greatest(n.held_until, now())
+               greatest(n.held_until, now()), n.priority
         FROM numbered n WHERE NOT n.far_is_local
     ), delivered AS (
         INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
-                                           conversation_id, message_sequence_number, message_type_id, body)
+                                           conversation_id, message_sequence_number, message_type_id, body, priority)
         SELECT far.queue_id, first_position + row_number() OVER (ORDER BY n.k) - 1, far.conversation_group_id,
-               far.conversation_handle, far.conversation_id, n.sequence_number, mt.message_type_id, n.b
+               far.conversation_handle, far.conversation_id, n.sequence_number, mt.message_type_id, n.b, far.priority
         FROM numbered n
         JOIN broker.endpoints far ON far.conversation_id = n.conversation_id AND far.is_initiator <> n.is_initiator
         WHERE n.far_is_local
@@ -807,8 +881,11 @@ COMMENT ON FUNCTION broker.send_numbered_batch(uuid[], bigint[], text[], bytea[]
 -- Receiving: in conversation order, and never wedged by a lease
 ------------------------------------------------------------------------------
 
--- Locks the given group, or the group holding the oldest waiting message that
--- no other transaction holds, and returns it; NULL when there is none.  The
+-- Locks the given group, or the group holding the oldest waiting message of
+-- the highest priority that no other transaction holds (Service Broker hands
+-- out the group of the highest priority first), and returns it; NULL when
+-- there is none.  A group's messages then come in conversation order, whatever
+-- their priorities.  The
 -- head of the queue is walked by one statement that passes over the groups
 -- other readers hold (SKIP LOCKED) or lease, however many there are.  Leases
 -- are looked for message by message only when the queue has any.  A lease
@@ -838,7 +915,7 @@ BEGIN
           AND (NOT leases_here OR NOT EXISTS (SELECT 1 FROM broker.leases l
                                               WHERE l.conversation_group_id = m.conversation_group_id
                                                 AND l.expires_at > clock_timestamp()))
-        ORDER BY m.queue_position
+        ORDER BY m.priority DESC, m.queue_position
         LIMIT 1
         FOR NO KEY UPDATE OF g SKIP LOCKED;
         IF candidate IS NULL OR NOT EXISTS (SELECT 1 FROM broker.leases l WHERE l.conversation_group_id = candidate) THEN
@@ -1147,10 +1224,11 @@ BEGIN
         RETURNING d.*
     )
     INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
-                                       conversation_id, message_sequence_number, message_type_id, body, enqueued_at)
+                                       conversation_id, message_sequence_number, message_type_id, body, enqueued_at,
+                                       priority)
     SELECT q.queue_id, first_position + row_number() OVER (ORDER BY l.message_sequence_number, l.queue_position) - 1,
            e.conversation_group_id, e.conversation_handle, e.conversation_id, l.message_sequence_number,
-           mt.message_type_id, l.body, l.enqueued_at
+           mt.message_type_id, l.body, l.enqueued_at, e.priority
     FROM letters l JOIN broker.message_types mt ON mt.name = l.message_type;
     PERFORM pg_notify('broker_queue', q.queue_id::text);
     RETURN resubmitted;
@@ -1350,7 +1428,7 @@ DECLARE
 BEGIN
     IF cleanup THEN
         DELETE FROM broker.transmission_queue t
-        WHERE t.to_service = e.far_service AND t.conversation_handle = e.conversation_handle;
+        WHERE t.to_service = e.far_service AND t.priority = e.priority AND t.conversation_handle = e.conversation_handle;
         PERFORM broker._close_endpoint(e);
         RETURN;
     END IF;
@@ -1472,12 +1550,13 @@ BEGIN
         CONTINUE WHEN e.conversation_handle IS NULL;
         FOR held IN
             SELECT t.* FROM broker.transmission_queue t
-            WHERE t.to_service = e.far_service AND t.conversation_handle = e.conversation_handle
-              AND t.next_attempt_at <= due_by
+            WHERE t.to_service = e.far_service AND t.priority = e.priority
+              AND t.conversation_handle = e.conversation_handle AND t.next_attempt_at <= due_by
             ORDER BY t.message_sequence_number
         LOOP
             DELETE FROM broker.transmission_queue t
-            WHERE t.to_service = held.to_service AND t.conversation_handle = held.conversation_handle
+            WHERE t.to_service = held.to_service AND t.priority = held.priority
+              AND t.conversation_handle = held.conversation_handle
               AND t.message_sequence_number = held.message_sequence_number;
             PERFORM broker._deliver(broker._far_endpoint(e), held.message_sequence_number,
                                     (SELECT mt FROM broker.message_types mt WHERE mt.message_type_id = held.message_type_id),
@@ -1487,7 +1566,8 @@ BEGIN
         UPDATE broker.endpoints SET held_until = NULL
         WHERE conversation_handle = e.conversation_handle
           AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
-                          WHERE t.to_service = e.far_service AND t.conversation_handle = e.conversation_handle);
+                          WHERE t.to_service = e.far_service AND t.priority = e.priority
+                            AND t.conversation_handle = e.conversation_handle);
     END LOOP;
     RETURN fired;
 END $$;

@@ -22,10 +22,12 @@ CREATE TABLE broker.transmission_queue (
     attempts                 integer NOT NULL DEFAULT 0,
     next_attempt_at          timestamptz NOT NULL DEFAULT now(),
     transmission_status      text NOT NULL DEFAULT 'waiting for its first transmission',
-    -- A destination's messages in the order they are sent (broker.transport_batch):
-    -- a batch reads its own destination's messages and no others.  to_service is
-    -- the sending endpoint's far_service, which every lookup by conversation gives.
-    PRIMARY KEY (to_service, conversation_handle, message_sequence_number)
+    priority                 smallint NOT NULL DEFAULT 5,  -- the sending endpoint's
+    -- A destination's messages of each priority in the order they are sent
+    -- (broker.transport_batch): a batch reads its own destination's messages
+    -- and no others.  to_service and priority are the sending endpoint's
+    -- far_service and priority, which every lookup by conversation gives.
+    PRIMARY KEY (to_service, priority, conversation_handle, message_sequence_number)
 ) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
 -- The few messages whose transmission has failed: an answer from their
@@ -97,7 +99,7 @@ CREATE TYPE broker.transport_message AS (
 -- A conversation of a batch whose endpoint here is locked for the batch.
 CREATE TYPE broker._batch_conversation AS (
     conversation_handle uuid, conversation_id uuid, is_initiator boolean, receive_sequence bigint,
-    queue_id integer, conversation_group_id uuid, contract_id integer
+    queue_id integer, conversation_group_id uuid, contract_id integer, priority smallint
 );
 
 ------------------------------------------------------------------------------
@@ -134,10 +136,11 @@ BEGIN
     INSERT INTO broker.conversation_groups VALUES (group_id, target_service.queue_id);
     INSERT INTO broker.endpoints (conversation_handle, conversation_id, is_initiator, conversation_group_id,
                                   service_id, queue_id, far_service, far_is_local, far_broker_instance,
-                                  contract_id, expires_at)
+                                  contract_id, expires_at, priority)
     VALUES (gen_random_uuid(), (header ->> 'conversation_id')::uuid, false, group_id, target_service.service_id,
             target_service.queue_id, broker._check_name('service', header ->> 'from_service'), false,
-            from_instance, dialog_contract, (header ->> 'expires_at')::timestamptz)
+            from_instance, dialog_contract, (header ->> 'expires_at')::timestamptz,
+            broker._priority(header ->> 'contract', target_service.name, header ->> 'from_service'))
     RETURNING * INTO e;
     RETURN e;
 END $$;
@@ -147,7 +150,8 @@ END $$;
 CREATE FUNCTION broker._refused_by_far_side(e broker.endpoints, reason text) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
-    DELETE FROM broker.transmission_queue WHERE to_service = e.far_service AND conversation_handle = e.conversation_handle;
+    DELETE FROM broker.transmission_queue
+    WHERE to_service = e.far_service AND priority = e.priority AND conversation_handle = e.conversation_handle;
     IF e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
         UPDATE broker.endpoints SET state = 'error', timer_at = NULL WHERE conversation_handle = e.conversation_handle;
         PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id,
@@ -218,10 +222,10 @@ BEGIN
         END IF;
         first_position := broker._next_queue_positions(stored);
         INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
-                                           conversation_id, message_sequence_number, message_type_id, body)
+                                           conversation_id, message_sequence_number, message_type_id, body, priority)
         SELECT e.queue_id, first_position + m.k - 1, e.conversation_group_id, e.conversation_handle,
                e.conversation_id, (m.value ->> 'sequence_number')::bigint, t.message_type_id,
-               decode(m.value ->> 'body', 'base64')
+               decode(m.value ->> 'body', 'base64'), e.priority
         FROM jsonb_array_elements(next_messages) WITH ORDINALITY AS m(value, k)
         JOIN broker.message_types t ON t.name = m.value ->> 'message_type';
         UPDATE broker.endpoints SET receive_sequence = e.receive_sequence + stored
@@ -316,7 +320,7 @@ LANGUAGE plpgsql AS $$
 BEGIN
     RETURN (
     SELECT array_agg(ROW(e.conversation_handle, e.conversation_id, e.is_initiator, e.receive_sequence, e.queue_id,
-                         e.conversation_group_id, e.contract_id)::broker._batch_conversation)
+                         e.conversation_group_id, e.contract_id, e.priority)::broker._batch_conversation)
     FROM (SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_transport_batch b
           ORDER BY b.conversation_id, b.sender_is_initiator) c,
          LATERAL (SELECT e.* FROM broker.endpoints e
@@ -356,7 +360,8 @@ BEGIN
         FROM broker._plain_message_types p WHERE p.sent_by_initiator GROUP BY p.contract_id
     ), opening AS (
         SELECT gen_random_uuid() AS conversation_group_id, h.conversation_id, s.service_id, s.queue_id,
-               ct.contract_id, broker._check_name('service', h.from_service) AS far_service, h.expires_at
+               ct.contract_id, broker._check_name('service', h.from_service) AS far_service, h.expires_at,
+               broker._priority(h.contract, h.to_service, h.from_service) AS priority
         FROM new_conversations n
         JOIN headers h ON h.conversation_id = n.conversation_id
         JOIN broker.routes r ON r.service_name = h.from_service AND r.broker_instance = from_instance
@@ -372,9 +377,9 @@ BEGIN
     )
     INSERT INTO broker.endpoints (conversation_handle, conversation_id, is_initiator, conversation_group_id,
                                   service_id, queue_id, far_service, far_is_local, far_broker_instance,
-                                  contract_id, expires_at)
+                                  contract_id, expires_at, priority)
     SELECT gen_random_uuid(), o.conversation_id, false, o.conversation_group_id, o.service_id, o.queue_id,
-           o.far_service, false, from_instance, o.contract_id, o.expires_at
+           o.far_service, false, from_instance, o.contract_id, o.expires_at, o.priority
     FROM opening o;
 END $$;
 
@@ -439,10 +444,10 @@ BEGIN
         FROM judged j WHERE j.plain AND j.conversation_handle <> ALL (with_error)
     ), stored AS (
         INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
-                                           conversation_id, message_sequence_number, message_type_id, body)
+                                           conversation_id, message_sequence_number, message_type_id, body, priority)
         SELECT a.queue_id, (SELECT broker._next_queue_positions(count(*)::integer) FROM accepted) + a.place - 1,
                a.conversation_group_id, a.conversation_handle, a.conversation_id, a.sequence_number,
-               a.message_type_id, a.body
+               a.message_type_id, a.body, a.priority
         FROM accepted a
         RETURNING queue_id
     ), moved_on AS (
@@ -546,9 +551,10 @@ COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
 -- The next batch for a destination, as rows of broker.transport_message for
 -- COPY, for the conversations whose handles fall in [first_handle,
 -- last_handle]: a relay splits the conversations among lanes that send at
--- once.  The waiting messages are read service by service in the order of
--- the primary key, up to max_messages each, and the lowest
--- max_messages of those are taken, rather than all of them sorted: a long
+-- once.  The waiting messages are read service by service and priority by
+-- priority in the order of the primary key, up to max_messages each, and the
+-- first max_messages of those, the highest priority first, are taken, rather
+-- than all of them sorted: a long
 -- queue costs a batch no more than a short one, and messages waiting for
 -- other destinations (a peer down for days) are not read at all, nor those
 -- whose conversations wait for a retry after a failure.  The
@@ -573,11 +579,13 @@ BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made ag
                  mt.name AS message_type, due.body,
                  sum(80 + coalesce(octet_length(due.body), 0) + octet_length(s.name) + octet_length(e.far_service)
                      + octet_length(c.name) + octet_length(mt.name))
-                     OVER (ORDER BY due.conversation_handle, due.message_sequence_number) AS bytes_so_far,
-                 row_number() OVER (ORDER BY due.conversation_handle, due.message_sequence_number) AS place
-          FROM (SELECT t.* FROM broker.routes r,
+                     OVER (ORDER BY due.priority DESC, due.conversation_handle, due.message_sequence_number)
+                     AS bytes_so_far,
+                 row_number() OVER (ORDER BY due.priority DESC, due.conversation_handle, due.message_sequence_number)
+                     AS place
+          FROM (SELECT t.* FROM broker.routes r, generate_series(10, 1, -1) AS p(priority),
                      LATERAL (SELECT t.* FROM broker.transmission_queue t
-                              WHERE t.to_service = r.service_name
+                              WHERE t.to_service = r.service_name AND t.priority = p.priority
                                 AND t.conversation_handle BETWEEN first_handle AND last_handle
                                 AND t.next_attempt_at <= now()
                                 AND (NOT holds_back
@@ -588,7 +596,7 @@ BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made ag
                               ORDER BY t.conversation_handle, t.message_sequence_number
                               LIMIT max_messages) t
                 WHERE r.address = destination
-                ORDER BY t.conversation_handle, t.message_sequence_number
+                ORDER BY t.priority DESC, t.conversation_handle, t.message_sequence_number
                 LIMIT max_messages) due
           JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle AND NOT e.far_is_local
           JOIN broker.services s ON s.service_id = e.service_id
@@ -621,6 +629,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     handles uuid[];
     services text[];
+    priorities smallint[];
     acknowledged bigint[];
     refusals text[];
     holds text[];
@@ -633,12 +642,12 @@ BEGIN
         FROM pg_temp.sent_transport_batch b
         GROUP BY b.conversation_id, b.sender_is_initiator
     )
-    SELECT array_agg(e.conversation_handle), array_agg(e.far_service),
+    SELECT array_agg(e.conversation_handle), array_agg(e.far_service), array_agg(e.priority),
            array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)),
            array_agg(CASE WHEN r.refused IS NOT NULL
                           THEN coalesce(r.refused ->> 'reason', 'no reason given') END),
            array_agg(r.waiting)
-    INTO handles, services, acknowledged, refusals, holds
+    INTO handles, services, priorities, acknowledged, refusals, holds
     FROM jsonb_to_recordset(answer -> 'results')
          AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, refused jsonb, waiting text)
     JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
@@ -654,9 +663,11 @@ BEGIN
     -- duplicate.
     WITH acknowledged_rows AS (
         SELECT d.ctid
-        FROM unnest(handles, services, acknowledged) AS a(conversation_handle, to_service, acknowledged),
+        FROM unnest(handles, services, priorities, acknowledged)
+                 AS a(conversation_handle, to_service, priority, acknowledged),
              LATERAL (SELECT t.ctid FROM broker.transmission_queue t
-                      WHERE t.to_service = a.to_service AND t.conversation_handle = a.conversation_handle
+                      WHERE t.to_service = a.to_service AND t.priority = a.priority
+                        AND t.conversation_handle = a.conversation_handle
                         AND t.message_sequence_number <= a.acknowledged
                       OFFSET 0) d
     ), removed AS (
@@ -677,7 +688,8 @@ BEGIN
       AND t.attempts > 0;
 
     FOR result IN
-        SELECT * FROM unnest(handles, services, refusals, holds) AS a(conversation_handle, to_service, refused, waiting)
+        SELECT * FROM unnest(handles, services, priorities, refusals, holds)
+                 AS a(conversation_handle, to_service, priority, refused, waiting)
         WHERE a.refused IS NOT NULL OR a.waiting IS NOT NULL
     LOOP
         IF result.refused IS NOT NULL THEN
@@ -686,7 +698,8 @@ BEGIN
             UPDATE broker.transmission_queue
             SET transmission_status = 'the far node holds it back: ' || result.waiting,
                 attempts = attempts + 1, next_attempt_at = now() + interval '5 seconds'
-            WHERE to_service = result.to_service AND conversation_handle = result.conversation_handle;
+            WHERE to_service = result.to_service AND priority = result.priority
+              AND conversation_handle = result.conversation_handle;
         END IF;
     END LOOP;
     RETURN delivered;

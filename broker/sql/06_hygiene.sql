@@ -30,7 +30,8 @@ BEGIN
         SELECT c.conversation_handle FROM broker.endpoints c
         WHERE c.state = 'closed' AND c.closed_at <= now() - settings.closed_endpoint_retention
           AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
-                          WHERE t.to_service = c.far_service AND t.conversation_handle = c.conversation_handle)
+                          WHERE t.to_service = c.far_service AND t.priority = c.priority
+                            AND t.conversation_handle = c.conversation_handle)
         ORDER BY c.closed_at
         LIMIT broker._require('max_endpoints', max_endpoints)
         FOR UPDATE SKIP LOCKED

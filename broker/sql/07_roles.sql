@@ -87,7 +87,7 @@ BEGIN
 END $$;
 
 GRANT SELECT ON broker.node, broker.routes, broker.message_types, broker.contracts, broker.contract_message_types,
-                broker.queues, broker.services, broker.service_contracts, broker.leases
+                broker.queues, broker.services, broker.service_contracts, broker.leases, broker.broker_priorities
     TO broker_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON broker.endpoints, broker.conversation_groups, broker.queue_messages,
                                         broker.transmission_queue, broker.transmission_failures,

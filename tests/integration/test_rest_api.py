@@ -296,7 +296,7 @@ def test_keys_are_checked_on_every_route(api, engine, admin):
               ("get", "/v1/queues/warehouse_queue", None),
               ("get", "/v1/transmission-queue", None), ("get", "/v1/message-types", None),
               ("get", "/v1/contracts", None), ("get", "/v1/services", None), ("get", "/v1/routes", None),
-              ("get", "/metrics", None)]
+              ("get", "/v1/broker-priorities", None), ("get", "/metrics", None)]
     revoked = new_key(engine, "admin")
     with engine.begin() as connection:
         queries.revoke_api_key(connection, revoked.split("_")[1])
@@ -408,12 +408,16 @@ def test_catalog_and_status_routes(admin, engine):
                             "a-secret-of-sixteen-chars")
         remote = broker.begin_dialog(connection, factories.SHOP, "billing", factories.CONTRACT)
         broker.send(connection, remote, "order.note", b"to billing")
+        broker.create_broker_priority(connection, "billing-first", 9, remote_service="billing")
     assert {"name": "order.submit", "validation": "json"} in admin.get("/v1/message-types").json()
     assert admin.get("/v1/contracts").json() == [{"name": "orders", "message_types": {
         "order.ack": "target", "order.note": "any", "order.submit": "initiator"}}]
     assert {"name": "warehouse", "queue": "warehouse_queue", "contracts": ["orders"]} in admin.get("/v1/services").json()
     routes = admin.get("/v1/routes")
     assert routes.json()[0]["address"] == "http://127.0.0.1:9" and "a-secret" not in routes.text
+    assert admin.get("/v1/broker-priorities").json() == [{"name": "billing-first", "priority": 9, "contract_name": None,
+                                                          "local_service_name": None, "remote_service_name": "billing"}]
+    assert admin.get(f"/v1/conversations/{remote}").json()["priority"] == 5  # created before the priority
     waiting = admin.get("/v1/transmission-queue").json()
     assert [(w["to_service"], w["message_sequence_number"]) for w in waiting] == [("billing", 1)]
     queues = {q["queue_name"]: q for q in admin.get("/v1/queues").json()}
@@ -453,7 +457,7 @@ def test_the_openapi_document_shows_every_route_with_examples(api):
             "/v1/message-types", "/v1/contracts", "/v1/services", "/v1/routes", "/healthz", "/readyz",
             "/metrics", "/v1/locks/{lock_token}/state", "/v1/locks/{lock_token}/dead-letter",
             "/v1/queues/{queue}/dead-letters", "/v1/queues/{queue}/dead-letters/resubmit",
-            "/v1/queues/{queue}/dead-letters/purge"} <= paths
+            "/v1/queues/{queue}/dead-letters/purge", "/v1/broker-priorities"} <= paths
     assert not any(path.startswith("/transport") for path in paths)
     schemas = document["components"]["schemas"]
     for model in ("BeginConversation", "SendMessage", "ReceiveRequest", "RenewRequest", "MoveConversation",
