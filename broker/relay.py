@@ -102,6 +102,8 @@ class Relay:
                    for lane in self.lanes]
         threads.append(threading.Thread(target=self._wake_lanes, args=(stop,), name="relay listener", daemon=True))
         threads.append(threading.Thread(target=timers.fire_due_events, args=(self.engine, stop), name="timers", daemon=True))
+        threads.append(threading.Thread(target=timers.count_unreported_rollbacks, args=(self.engine, stop),
+                                        name="rollback counter", daemon=True))
         for thread in threads:
             thread.start()
         for thread in threads:

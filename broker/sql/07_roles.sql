@@ -86,6 +86,13 @@ BEGIN
     END LOOP;
 END $$;
 
+-- The node counts the rollbacks that readers did not report (see
+-- broker.count_unreported_rollbacks), which can quarantine: that writes the
+-- dead letters, which the relay's role does not hold, so it runs as its owner.
+ALTER FUNCTION broker.count_unreported_rollbacks(interval, integer) SECURITY DEFINER
+    SET search_path = broker, pg_catalog, pg_temp;
+GRANT EXECUTE ON FUNCTION broker.count_unreported_rollbacks(interval, integer) TO broker_relay;
+
 GRANT SELECT ON broker.node, broker.routes, broker.message_types, broker.contracts, broker.contract_message_types,
                 broker.queues, broker.services, broker.service_contracts, broker.leases, broker.broker_priorities
     TO broker_relay;

@@ -31,7 +31,8 @@ ENTRY_POINTS = {"begin_dialog", "send", "send_numbered", "send_numbered_batch", 
 SEARCH_PATH = ["search_path=broker, pg_catalog, pg_temp"]
 STATUS_VIEWS = {"queue_status", "conversation_endpoints", "transmission_queue_status"}
 TRANSPORT_FUNCTIONS = {"transport_batch", "apply_transport_results", "record_transport_failure",
-                       "accept_transport_batch", "forget_closed_endpoints", "fire_due_events"}
+                       "accept_transport_batch", "forget_closed_endpoints", "fire_due_events",
+                       "count_unreported_rollbacks"}
 OUR_INSTANCE = "SELECT broker_instance FROM broker.node"
 EVERY_HANDLE = ("00000000-0000-0000-0000-000000000000", "ffffffff-ffff-ffff-ffff-ffffffffffff")
 
@@ -53,10 +54,10 @@ REFUSED_TO_APPLICATION = [
     ("SELECT broker.drop_queue('shop_queue')", "function drop_queue"),
     ("SELECT broker.alter_queue('shop_queue', false)", "function alter_queue"),
     ("SELECT broker.purge_queue('shop_queue')", "function purge_queue"),
-    ("SELECT broker.purge_dead_letters('shop_queue')", "function purge_dead_letters"),
     ("SELECT broker.create_broker_priority('mine', 10)", "function create_broker_priority"),
     ("SELECT broker.drop_broker_priority('mine')", "function drop_broker_priority"),
     ("INSERT INTO broker.broker_priorities VALUES ('mine', 10)", "table broker_priorities"),
+    ("SELECT broker.purge_dead_letters('shop_queue')", "function purge_dead_letters"),
     ("SELECT broker.resubmit_dead_letters('shop_queue', gen_random_uuid())", "function resubmit_dead_letters"),
     ("SELECT * FROM broker.transport_batch('http://h', 10, 1000, NULL, NULL)", "function transport_batch"),
     ("SELECT broker.accept_transport_batch(gen_random_uuid())", "function accept_transport_batch"),
@@ -65,6 +66,7 @@ REFUSED_TO_APPLICATION = [
      "function record_transport_failure"),
     ("SELECT broker.forget_closed_endpoints(10)", "function forget_closed_endpoints"),
     ("SELECT broker.fire_due_events()", "function fire_due_events"),
+    ("SELECT broker.count_unreported_rollbacks()", "function count_unreported_rollbacks"),
     ("SELECT broker.start_ingest('shop_queue', 'file:/tmp/lake')", "function start_ingest"),
     ("SELECT broker._enqueue(NULL, 1, 1, NULL)", "function _enqueue"),
 ]
