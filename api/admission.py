@@ -63,9 +63,10 @@ def peer_instance(request: Request) -> str | None:
 class Admission:
     """Pure ASGI middleware, outside api.limits: nothing of the body is read before it lets a request in."""
 
-    def __init__(self, app, engine):
+    def __init__(self, app, engine, max_clock_skew_s: float):
         self.app = app
         self.engine = engine
+        self.max_clock_skew_s = max_clock_skew_s
         self.routed_until: dict[str, float] = {}  # only instances found routed: as many as the routes name
 
     async def __call__(self, scope, receive, send):
@@ -96,7 +97,7 @@ class Admission:
                 return unknown_peer(f"name your broker_instance in {signing.INSTANCE_HEADER}")
             try:
                 signing.check_fresh(request.headers.get(signing.TIMESTAMP_HEADER),
-                                    request.headers.get(signing.SIGNATURE_HEADER))
+                                    request.headers.get(signing.SIGNATURE_HEADER), self.max_clock_skew_s)
             except signing.BadSignature as refusal:
                 return bad_signature(refusal, headers=CLOSE)
             if not await self._is_routed(instance):

@@ -22,6 +22,7 @@ from api.routes import catalog, console, conversations, health, queues, transpor
 from broker import migrate, queries
 from broker.errors import BrokerError
 from broker.metrics import DatabaseCollector
+from broker.transport import signing
 
 DESCRIPTION = """
 Exactly-once-in-order conversations between services, over HTTP.
@@ -45,7 +46,9 @@ LIMIT_LOCK_WAITS = "SET lock_timeout = '5s'"
 
 def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
                max_batch_bytes: int = 64 * 1024 * 1024, max_wait_ms: int = 60000, api_connections: int = 20,
-               api_connection_wait_s: float = 2.0, request_timeout_s: float = 30.0) -> FastAPI:
+               api_connection_wait_s: float = 2.0, request_timeout_s: float = 30.0,
+               max_clock_skew_s: float = signing.DEFAULT_MAX_CLOCK_SKEW_S, tls_ca_file: str | None = None
+               ) -> FastAPI:
     """The options are the settings of the same names (broker/settings.py)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,6 +69,8 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
                                      connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
     event.listen(app.state.engine, "connect", _limit_lock_waits)
     app.state.max_wait_ms = max_wait_ms
+    app.state.max_clock_skew_s = max_clock_skew_s
+    app.state.tls_ca_file = tls_ca_file
     app.state.arrivals = Arrivals(database_url)
     app.state.schema_head = migrate.head_revision()
     app.state.database_metrics = CollectorRegistry()
@@ -77,7 +82,8 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
         app.include_router(router)
     app.add_middleware(RequestLimits, limit_for=lambda path: max_batch_bytes if path.startswith("/transport/")
                        else max_request_bytes, timeout_s=request_timeout_s)
-    app.add_middleware(Admission, engine=app.state.engine)  # outside RequestLimits: before the body is read
+    # outside RequestLimits: before the body is read
+    app.add_middleware(Admission, engine=app.state.engine, max_clock_skew_s=max_clock_skew_s)
     app.add_middleware(InternalErrors)
 
     @app.exception_handler(Problem)

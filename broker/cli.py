@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
+from uuid import UUID
 
 import psycopg2
 import typer
@@ -180,7 +181,9 @@ def serve(
                              max_batch_bytes=settings.max_batch_bytes, max_wait_ms=settings.max_wait_ms,
                              api_connections=settings.api_connections,
                              api_connection_wait_s=settings.api_connection_wait_s,
-                             request_timeout_s=settings.request_timeout_s)
+                             request_timeout_s=settings.request_timeout_s,
+                             max_clock_skew_s=settings.max_clock_skew_s,
+                             tls_ca_file=settings.tls_ca())
             # A stop waits at most a few seconds for requests in progress (a long poll may wait a minute).
             uvicorn.run(app, host=host, port=port, log_level="warning", http=connections.protocol(
                 settings.request_timeout_s), limit_concurrency=settings.max_connections,
@@ -197,7 +200,7 @@ def _relay(url: str, settings: Settings):
     from broker.relay import Relay
 
     return Relay(url, batch_messages=settings.relay_batch_messages, batch_bytes=settings.relay_batch_bytes,
-                 tls_ca_file=str(settings.tls_ca_file) if settings.tls_ca_file else None)
+                 tls_ca_file=settings.tls_ca())
 
 
 @app.command()
@@ -310,18 +313,28 @@ def dead_letters(queue: str = typer.Argument(..., help="the queue whose dead let
 
 
 @app.command()
-def status(as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
-    """Show queues, conversations by state, the transmission queue by destination, ingests and dead letters."""
+def status(as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+           conversation: UUID = typer.Option(None, metavar="HANDLE",
+                                             help="show one conversation side's messages on this node instead")
+           ) -> None:
+    """Show queues, conversations by state, the transmission queue by destination, ingests and dead letters; or,
+    with --conversation, one conversation side: what it sent and received, and why each message here waits."""
     import json
 
     from rich.table import Table
 
-    from broker.status import age, json_default, node_status
+    from broker.status import age, conversation_life, json_default, node_status
 
     with database_engine() as engine, engine.connect() as connection:
-        report = node_status(connection)
+        report = node_status(connection) if conversation is None else conversation_life(connection, conversation)
+    if report is None:
+        raise typer.BadParameter(f"no conversation {conversation} on this node (a closed one is forgotten after "
+                                 "its retention)", param_hint="--conversation")
     if as_json:
         print(json.dumps(report, default=json_default, indent=2))
+        return
+    if conversation is not None:
+        _print_conversation(report)
         return
     queues = Table("queue", "status", "depth", "oldest", "readers", "dead letters", title="Queues",
                    title_justify="left")
@@ -355,12 +368,41 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
             console.print(f"{table.title}: none", style="dim")
 
 
-@app.command()
-def diagnose(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
-    """Check the configuration end to end: schema, queues, routes, and every peer (answers, is the instance
-    its route names, accepts our signature, clock, services, queues, contracts, a route back).
+def _print_conversation(life: dict) -> None:
+    from rich.table import Table
 
-    Exits 1 when something is wrong; each finding says what to do.
+    side = life["conversation"]
+    far = "on this node" if side["far_is_local"] else f"at broker instance {side['far_broker_instance']}"
+    console.print(Text.assemble(
+        f"Conversation {side['conversation_handle']} ({'initiator' if side['is_initiator'] else 'target'}): ",
+        visible(side["service_name"]), " to ", visible(side["far_service"]), f" {far}, contract ",
+        visible(side["contract_name"]), f", {side['state'].replace('_', ' ')}, priority {side['priority']}, "
+        f"created {side['created_at']:%Y-%m-%d %H:%M:%S}"
+        + (f", lifetime until {side['expires_at']:%Y-%m-%d %H:%M:%S}" if side["expires_at"] else "")))
+    gone = "acknowledged by the far node" if not side["far_is_local"] else "delivered"
+    console.print(f"Sent {life['sent']:,}: {life['sent_and_gone']:,} {gone}, "
+                  f"{life['sent'] - life['sent_and_gone']:,} waiting here. Arrived {life['arrived']:,}: "
+                  f"{life['arrived_and_received']:,} received.")
+    messages = Table("", "#", "message type", "bytes", "since", "attempts", "why it is here",
+                     title="Messages on this node", title_justify="left")
+    for m in life["messages"]:
+        add_cells(messages, m["direction"], str(m["sequence_number"]), m["message_type"],
+                  "" if m["body_bytes"] is None else f"{m['body_bytes']:,}", f"{m['since']:%Y-%m-%d %H:%M:%S}",
+                  str(m["attempts"]), m["status"])
+    console.print(messages if messages.row_count else Text("Messages on this node: none", style="dim"))
+
+
+@app.command()
+def diagnose(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+             max_wait: float = typer.Option(300.0, "--max-wait", min=0, metavar="SECONDS",
+                                            help="a message waiting longer than this for its destination node is "
+                                                 "a problem")) -> None:
+    """Check the configuration end to end: schema, queues, routes, a relay for every destination, and every peer
+    (answers, is the instance its route names, accepts our signature, clock, services, queues, contracts, a route
+    back).
+
+    Exits 1 when something is wrong, a message waiting longer than --max-wait included; each finding says what
+    to do.
     """
     import dataclasses
     import json
@@ -371,10 +413,10 @@ def diagnose(as_json: bool = typer.Option(False, "--json", help="print JSON inst
     from broker.diagnose import diagnose as run_checks
 
     settings = Settings()
-    verify = str(settings.tls_ca_file) if settings.tls_ca_file else True
     with database_engine() as engine, engine.connect() as connection, \
-            httpx.Client(timeout=10, verify=verify) as client:
-        findings = run_checks(connection, client, migrations.head_revision())
+            httpx.Client(timeout=10, verify=settings.tls_ca() or True) as client:
+        findings = run_checks(connection, client, migrations.head_revision(), max_wait_s=max_wait,
+                              max_clock_skew_s=settings.max_clock_skew_s)
     if as_json:
         print(json.dumps([dataclasses.asdict(finding) for finding in findings], indent=2))
     else:

@@ -15,20 +15,24 @@ import httpx
 from pydantic import ValidationError
 from sqlalchemy import Connection
 
-from broker import queries
+from broker import queries, relay
 from broker.transport import describe, signing, wire
 
 # A destination that has refused this many attempts in a row keeps refusing: an error, not a passing failure.
 REFUSING_ATTEMPTS = 3
 WIRE_ADVICE = ("upgrade one of the two nodes so that both speak the same wire version (each names its own as "
                "wire_version in /healthz)")
-# What to do about a destination that does not take our batches, by the words of its last failure.
+CLOCK_ADVICE = "keep the clocks in sync (NTP), or raise BROKER_MAX_CLOCK_SKEW_S on both nodes"
+RELAY_ADVICE = ("start this node ('broker serve'), or 'broker relay' beside a node that runs with --no-relay")
+# What to do about a destination that does not take our batches, by the words of its last failure: the clock
+# first, as a refusal for any cause may name it.
 REFUSAL_ADVICE = [
+    ("clock", CLOCK_ADVICE),
     ("another wire version", WIRE_ADVICE),
     ("HTTP 413", "on that node raise BROKER_MAX_BATCH_BYTES above the largest message (its max_message_bytes "
                  "and a few KB), or send smaller messages"),
     ("HTTP 401", "that node refuses our signature: give the routes on both nodes the same secret and the right "
-                 "broker_instance, and keep the clocks in sync (NTP)"),
+                 "broker_instance"),
     ("HTTP 5", "that node fails: look at its log"),
     ("cannot reach", "start that node ('broker serve'), or fix the routes' address"),
     ("not signed by the peer", "use the same secret in the routes on both nodes"),
@@ -62,7 +66,7 @@ def _ok(check: str, finding: str) -> Finding:
     return Finding("ok", check, finding)
 
 
-def _local_findings(connection: Connection, schema_head: str) -> list[Finding]:
+def _local_findings(connection: Connection, schema_head: str, max_wait_s: float) -> list[Finding]:
     findings = []
     version = queries.schema_revision(connection)
     findings.append(_ok("schema", f"at revision {version}") if version == schema_head else Finding(
@@ -80,7 +84,9 @@ def _local_findings(connection: Connection, schema_head: str) -> list[Finding]:
             "error", f"service {service.to_service}", f"{service.messages} messages wait for it, and it has no route",
             f"SELECT broker.create_route('{service.to_service}', '<address of its node>', "
             "'<that node's broker_instance>', '<the secret you share with it>')"))
+    refusals = {}
     for destination in queries.failing_destinations(connection):
+        refusals[destination.address] = refusal_advice(destination.status)
         findings.append(Finding(
             # a message refused as too large on its own never goes until a limit changes, nor a batch in another
             # wire version until a node is upgraded
@@ -88,12 +94,36 @@ def _local_findings(connection: Connection, schema_head: str) -> list[Finding]:
             or "HTTP 415" in destination.status else "warning",
             f"transmission to {destination.address}",
             f"{destination.messages} messages waiting, up to {destination.attempts} attempts: {destination.status}",
-            refusal_advice(destination.status)))
+            refusals[destination.address]))
+    for backlog in queries.routed_backlogs(connection, max_wait_s, relay.LANES):
+        if not backlog.relayed:
+            findings.append(Finding("error", f"relay to {backlog.address}",
+                                    f"{backlog.messages} messages wait for it and no relay is running for it",
+                                    RELAY_ADVICE))
+        if backlog.overdue:
+            advice = (refusals.get(backlog.address) or (RELAY_ADVICE if not backlog.relayed else
+                      "the relay sends, and that node does not acknowledge: see the checks of that node below"))
+            findings.append(Finding("error", f"waiting for {backlog.address}",
+                                    f"{backlog.overdue} messages have waited longer than {max_wait_s:g} s, the "
+                                    f"oldest {backlog.longest_wait_s:.0f} s", advice))
     return findings
 
 
+def _clock_finding(check: str, their_instance: str, skew_s: float, max_skew_s: float) -> Finding:
+    """How far the peer's clock is from ours, to a tenth of a second (the timestamps are whole seconds, so up
+    to a second more or less), against the skew this node accepts."""
+    if skew_s > max_skew_s:
+        return Finding("error", check, f"its clock is {skew_s:.1f} s from ours, more than the {max_skew_s:g} s this "
+                       "node accepts: its batches to this node are refused", CLOCK_ADVICE)
+    if skew_s > max_skew_s / 2:
+        return Finding("warning", check, f"its clock is {skew_s:.1f} s from ours (this node accepts at most "
+                       f"{max_skew_s:g} s)", CLOCK_ADVICE)
+    return _ok(check, f"answers as instance {their_instance}, signs both ways, clock within {skew_s:.0f} s")
+
+
 def _peer_findings(client: httpx.Client, address: str, route_instance: str, secret: str, services: list[str],
-                   our_instance: str, our_contracts: dict, contracts_in_use: dict[str, set[str]]) -> list[Finding]:
+                   our_instance: str, our_contracts: dict, contracts_in_use: dict[str, set[str]],
+                   max_skew_s: float) -> list[Finding]:
     check = f"node {address}"
     try:
         health = client.get(f"{address}/healthz")
@@ -119,7 +149,7 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
     if answer.status_code == 401:
         detail = str(_member(answer, "detail") or "")
         return [Finding("error", check, f"refuses our signature: {detail}",
-                        "keep the clocks in sync (NTP)" if "clock" in detail else
+                        CLOCK_ADVICE if "clock" in detail else
                         f"that node needs a route to one of our services with our broker_instance {our_instance} "
                         "and the same secret")]
     if answer.status_code != 200:
@@ -131,11 +161,8 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
     except signing.BadSignature as refusal:
         return [Finding("error", check, f"its answer is not signed with our shared secret: {refusal}",
                         "use the same secret in the routes on both nodes")]
-    skew = abs(time.time() - int(answer.headers[signing.TIMESTAMP_HEADER]))
-    findings = [_ok(check, f"answers as instance {their_instance}, signs both ways, clock within {skew:.0f} s")
-                if skew <= signing.MAX_CLOCK_SKEW_S / 2 else
-                Finding("warning", check, f"its clock is {skew:.0f} s from ours (at most {signing.MAX_CLOCK_SKEW_S} s "
-                        "are accepted)", "keep the clocks in sync (NTP)")]
+    findings = [_clock_finding(check, their_instance, abs(time.time() - int(answer.headers[signing.TIMESTAMP_HEADER])),
+                               max_skew_s)]
     try:
         described = describe.Description.model_validate_json(answer.content)
     except ValidationError as error:
@@ -172,8 +199,11 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
     return findings
 
 
-def diagnose(connection: Connection, client: httpx.Client, schema_head: str) -> list[Finding]:
-    findings = _local_findings(connection, schema_head)
+def diagnose(connection: Connection, client: httpx.Client, schema_head: str, *, max_wait_s: float,
+             max_clock_skew_s: float) -> list[Finding]:
+    """Every finding about this node and its peers; max_wait_s is how long a message may wait for a destination
+    before that is an error, max_clock_skew_s the skew this node accepts (BROKER_MAX_CLOCK_SKEW_S)."""
+    findings = _local_findings(connection, schema_head, max_wait_s)
     our_instance = queries.broker_instance(connection)
     our_contracts = queries.contracts(connection)
     contracts_in_use = queries.contracts_in_use_by_remote_service(connection)
@@ -181,5 +211,5 @@ def diagnose(connection: Connection, client: httpx.Client, schema_head: str) -> 
                                                       key=lambda r: (r.address, r.broker_instance, r.peer_secret)):
         services = [route.service_name for route in group]
         findings += _peer_findings(client, address, str(instance), secret, services, our_instance, our_contracts,
-                                   contracts_in_use)
+                                   contracts_in_use, max_clock_skew_s)
     return findings

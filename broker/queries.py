@@ -137,6 +137,37 @@ QUEUE_OF_LOCK = text("""
 """)
 GROUP_OF_LOCK = text("SELECT conversation_group_id FROM broker.leases WHERE lock_token = :token")
 ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
+# Every message of one conversation side that this node still holds, and why each is where it is: sent and not
+# yet acknowledged (or held, or delivered locally once due), arrived and not yet received (or kept by the
+# queue's retention), or dead-lettered.  What was acknowledged or received and deleted is counted, not listed.
+CONVERSATION_MESSAGES = text("""
+    SELECT 'sent' AS direction, t.message_sequence_number AS sequence_number, t.message_type, t.body_bytes,
+           t.enqueued_at AS since, t.attempts, t.transmission_status AS status
+    FROM broker.transmission_queue_status t WHERE t.conversation_handle = :handle
+    UNION ALL
+    SELECT 'arrived', m.message_sequence_number, mt.name, octet_length(m.body), m.enqueued_at, m.failed_attempts,
+           CASE WHEN m.received_at IS NOT NULL
+                     THEN format('received at %s, kept by the queue''s retention',
+                                 to_char(m.received_at, 'YYYY-MM-DD HH24:MI:SS TZ'))
+                WHEN l.expires_at > now()
+                     THEN format('handed out under a lock until %s', to_char(l.expires_at, 'YYYY-MM-DD HH24:MI:SS TZ'))
+                WHEN m.failed_attempts > 0
+                     THEN format('waiting for a reader after %s failed attempts', m.failed_attempts)
+                ELSE 'waiting for a reader' END
+    FROM broker.endpoints e
+    JOIN broker.queue_messages m ON m.conversation_group_id = e.conversation_group_id
+                                AND m.conversation_handle = e.conversation_handle
+    JOIN broker.message_types mt USING (message_type_id)
+    LEFT JOIN broker.leases l ON l.conversation_group_id = m.conversation_group_id
+                             AND m.queue_position = ANY (l.queue_positions)
+    WHERE e.conversation_handle = :handle
+    UNION ALL
+    SELECT 'dead letter', d.message_sequence_number, d.message_type, octet_length(d.body), d.enqueued_at,
+           d.failed_attempts, format('dead-lettered at %s: %s', to_char(d.dead_lettered_at, 'YYYY-MM-DD HH24:MI:SS TZ'),
+                                     d.reason)
+    FROM broker.dead_letters d WHERE d.conversation_handle = :handle
+    ORDER BY direction DESC, sequence_number
+""")
 SERVICES_OF_ENDPOINTS = text("SELECT conversation_handle, service_name FROM broker.conversation_endpoints"
                              " WHERE conversation_handle = ANY(CAST(:handles AS uuid[]))")
 OPEN_ENDPOINTS = text("SELECT count(*) FROM broker.endpoints WHERE state <> 'closed'")
@@ -161,6 +192,10 @@ def queue_of_lock(connection: Connection, lock_token: UUID) -> str | None:
 def group_of_lock(connection: Connection, lock_token: UUID) -> UUID | None:
     """The conversation group a lease holds, while the lease is kept."""
     return connection.execute(GROUP_OF_LOCK, {"token": lock_token}).scalar()
+
+
+def conversation_messages(connection: Connection, handle: UUID) -> list[Row]:
+    return connection.execute(CONVERSATION_MESSAGES, {"handle": handle}).all()
 
 
 def endpoint(connection: Connection, handle: UUID) -> Row | None:
@@ -213,6 +248,27 @@ FAILING_DESTINATIONS = text(
     " FROM broker.transmission_queue_status t JOIN broker.routes r ON r.service_name = t.to_service"
     " WHERE t.attempts > 0 GROUP BY r.address ORDER BY r.address")
 WAITING_TO_TRANSMIT = text("SELECT count(*) FROM broker.transmission_queue")
+# A relay lane talks to a destination while its session holds this lock (broker.relay.Lane).
+TRY_LANE_LOCK = text("SELECT pg_try_advisory_lock(1651663724, hashtext(:address || ' lane ' || :lane))")
+# What waits for each destination node: how many messages, how many have been due for longer than max_wait_s
+# (a held message from its delivery time), the longest wait, and whether a relay holds a lock of one of its
+# lanes (pg_locks shows a two-key advisory lock as classid, objid and objsubid 2).
+ROUTED_BACKLOGS = text("""
+    SELECT r.address, count(*) AS messages,
+           count(*) FILTER (WHERE w.due_since < now() - make_interval(secs => :max_wait_s)) AS overdue,
+           extract(epoch FROM now() - min(w.due_since))::float8 AS longest_wait_s,
+           EXISTS (SELECT FROM pg_locks l, generate_series(0, :lanes - 1) lane
+                   WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+                     AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                     AND l.classid = 1651663724 AND l.objid = hashtext(r.address || ' lane ' || lane)::oid
+                  ) AS relayed
+    FROM broker.transmission_queue t
+    JOIN broker.routes r ON r.service_name = t.to_service
+    CROSS JOIN LATERAL (SELECT CASE WHEN t.attempts = 0 THEN least(t.next_attempt_at, now())
+                                    ELSE t.enqueued_at END AS due_since) w
+    WHERE NOT EXISTS (SELECT 1 FROM broker.services s WHERE s.name = t.to_service)
+    GROUP BY r.address ORDER BY r.address
+""")
 
 
 def transmission_queue(connection: Connection, limit: int, offset: int) -> list[Row]:
@@ -236,6 +292,15 @@ def failing_destinations(connection: Connection) -> list[Row]:
 
 def waiting_to_transmit(connection: Connection) -> int:
     return connection.execute(WAITING_TO_TRANSMIT).scalar_one()
+
+
+def try_lane_lock(connection: Connection, address: str, lane: int) -> bool:
+    return connection.execute(TRY_LANE_LOCK, {"address": address, "lane": lane}).scalar_one()
+
+
+def routed_backlogs(connection: Connection, max_wait_s: float, lanes: int) -> list[Row]:
+    """Per destination node with messages waiting: see ROUTED_BACKLOGS."""
+    return connection.execute(ROUTED_BACKLOGS, {"max_wait_s": max_wait_s, "lanes": lanes}).all()
 
 
 # --- What `broker status` shows besides queues and the transmission queue ------------------------

@@ -56,7 +56,6 @@ STAGE_SENT_BATCH = text("CREATE TEMPORARY TABLE IF NOT EXISTS sent_transport_bat
 COPY_SENT_BATCH = "COPY pg_temp.sent_transport_batch FROM STDIN (FORMAT binary)"
 APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb))")
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, :last, :reason, :retry_after)")
-LOCK_LANE = text("SELECT pg_try_advisory_lock(1651663724, hashtext(:address || ' lane ' || :lane))")
 FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
 # A message that a destination refuses as too large on its own is tried again this often (its limit may be raised).
 OVERSIZED_RETRY_S = 60.0
@@ -225,7 +224,7 @@ class Lane:
     def _holds_lock(self, address: str) -> bool:
         """Whether this lane talks to the destination: it holds the lock, or has just taken it."""
         if address not in self.locked:
-            if self.connection.execute(LOCK_LANE, {"address": address, "lane": self.index}).scalar_one():
+            if queries.try_lane_lock(self.connection, address, self.index):
                 self.locked.add(address)
             self.connection.commit()
         return address in self.locked

@@ -4,6 +4,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from broker.transport import signing
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BROKER_")
@@ -30,8 +32,15 @@ class Settings(BaseSettings):
     max_batch_bytes: int = Field(64 * 1024 * 1024, gt=0)
     relay_batch_messages: int = Field(1000, gt=0)
     relay_batch_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    # Transport: how far a peer's clock may be from this node's before its requests are refused (replays of a
+    # request are harmless within it: duplicates are discarded).  The same on both nodes, like the secret.
+    max_clock_skew_s: float = Field(signing.DEFAULT_MAX_CLOCK_SKEW_S, gt=0, le=86400)
     # Spark ingest: the PostgreSQL JDBC driver jar (default: looked for, see spark_ingest/jdbc.py).
     jdbc_driver: Path | None = None
+
+    def tls_ca(self) -> str | None:
+        """tls_ca_file as httpx and the relay take it: None for the system's CAs."""
+        return str(self.tls_ca_file) if self.tls_ca_file else None
 
 
 def database_url_for_migrations() -> str:

@@ -1,6 +1,7 @@
 """What a node is doing, read from its catalog: the data behind `broker status` and the console."""
 from datetime import datetime
 from typing import Any
+from uuid import UUID
 
 from sqlalchemy import Connection
 
@@ -16,6 +17,27 @@ def node_status(connection: Connection, dead_letters: int = 20) -> dict[str, lis
         "transmission_queue": queries.as_dicts(queries.transmission_by_destination(connection)),
         "ingests": queries.as_dicts(queries.ingests(connection)),
         "dead_letters": queries.as_dicts(queries.latest_dead_letters(connection, dead_letters)),
+    }
+
+
+def conversation_life(connection: Connection, handle: UUID) -> dict[str, Any] | None:
+    """One side of a conversation on this node: the side itself, how many messages it sent and how many of those
+    are gone (acknowledged by the far node, or delivered to a local one), how many arrived and how many of those
+    were received, and every message still here with why it waits.  None for an unknown handle."""
+    side = queries.endpoint(connection, handle)
+    if side is None:
+        return None
+    messages = queries.as_dicts(queries.conversation_messages(connection, handle))
+    waiting_to_send = sum(m["direction"] == "sent" for m in messages)
+    still_here = sum(m["direction"] != "sent" and m["sequence_number"] > 0  # notices (0) are not numbered
+                     and not m["status"].startswith("received") for m in messages)
+    return {
+        "conversation": side._asdict(),
+        "sent": side.send_sequence,
+        "sent_and_gone": side.send_sequence - waiting_to_send,
+        "arrived": side.receive_sequence,
+        "arrived_and_received": max(side.receive_sequence - still_here, 0),
+        "messages": messages,
     }
 
 

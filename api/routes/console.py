@@ -1,13 +1,16 @@
-"""The web console at /console (a static page, no build step) and GET /v1/status, the data it shows."""
+"""The web console at /console (a static page, no build step) and what it shows: GET /v1/status, and
+GET /v1/diagnose, the findings of `broker diagnose`."""
 import base64
 import hashlib
 import re
+from dataclasses import asdict
 from datetime import datetime
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
-from fastapi import APIRouter, Depends, Request
+import httpx
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse
 from prometheus_client import Counter
@@ -18,6 +21,7 @@ from api.problems import KEYED, error_responses
 from api.routes.queues import QueueStatus
 from api.types import known_query_parameters
 from broker.api_keys import ApiKey
+from broker.diagnose import diagnose
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_FAILURES, RELAY_SENT
 from broker.status import node_status
 
@@ -118,6 +122,35 @@ async def get_status(request: Request, key: ApiKey = Depends(api_key)) -> NodeSt
     relay = RelayTotals(sent_total=_total(RELAY_SENT), acknowledged_total=_total(RELAY_ACKNOWLEDGED),
                         failures_total=_total(RELAY_FAILURES))
     return NodeStatus(**report, relay=relay)
+
+
+class Finding(BaseModel):
+    """One check of `broker diagnose`, and what to do when it is not ok."""
+
+    level: Literal["ok", "warning", "error"]
+    check: str
+    finding: str
+    advice: str
+
+
+@router.get("/v1/diagnose", tags=["catalog"], responses=error_responses(422, *KEYED),
+            dependencies=[Depends(known_query_parameters)],
+            summary="The findings of `broker diagnose`: this node's configuration, its relay and every peer")
+async def get_diagnose(request: Request, key: ApiKey = Depends(api_key),
+                       max_wait_s: float = Query(300.0, ge=0, le=10**9, description=(
+                           "a message waiting longer than this for its destination node is an error"))
+                       ) -> list[Finding]:
+    require(key, "admin")
+    state = request.app.state
+
+    def run() -> list[Finding]:
+        with state.engine.connect() as connection, \
+                httpx.Client(timeout=10, verify=state.tls_ca_file or True) as client:
+            findings = diagnose(connection, client, state.schema_head, max_wait_s=max_wait_s,
+                                max_clock_skew_s=state.max_clock_skew_s)
+        return [Finding(**asdict(finding)) for finding in findings]
+
+    return await run_in_threadpool(run)
 
 
 @router.get("/console", include_in_schema=False, response_class=HTMLResponse)

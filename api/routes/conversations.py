@@ -1,6 +1,6 @@
 """/v1/conversations: begin, look at, send on and end conversations."""
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 from fastapi import APIRouter, Depends, Request
@@ -14,6 +14,7 @@ from api.problems import KEYED, READS_BODY, Problem, error_responses
 from api.types import Name, Number, Text, integer, known_query_parameters
 from broker import queries
 from broker.api_keys import ApiKey
+from broker.status import conversation_life
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=error_responses(*KEYED),
                    dependencies=[Depends(known_query_parameters)])
@@ -58,6 +59,30 @@ class Conversation(BaseModel):
     closed_at: datetime | None
     priority: int = Field(description="1 to 10: groups of a higher priority are received, and messages of a higher "
                                       "priority sent to another node, first")
+
+
+class ConversationMessage(BaseModel):
+    """A message of the conversation side that this node still holds, and why it is here."""
+
+    direction: Literal["sent", "arrived", "dead letter"]
+    sequence_number: int = Field(description="0 for a notice this node raised itself (an error, a timer)")
+    message_type: str
+    body_bytes: int | None
+    since: datetime = Field(description="when it was queued here")
+    attempts: int = Field(description="sent: failed transmissions; arrived and dead letters: failed receives")
+    status: str = Field(examples=["waiting for its first transmission", "waiting for a reader"])
+
+
+class ConversationLife(BaseModel):
+    """One side of a conversation on this node: what it sent and received, and every message still here. What was
+    acknowledged, delivered or received and then deleted is counted, not listed."""
+
+    conversation: Conversation
+    sent: int = Field(description="messages this side sent")
+    sent_and_gone: int = Field(description="of those, acknowledged by the far node (or delivered to a local one)")
+    arrived: int = Field(description="messages that arrived for this side, in order")
+    arrived_and_received: int = Field(description="of those, received (consumed)")
+    messages: list[ConversationMessage]
 
 
 IDEMPOTENT = ("makes the send idempotent: the number this message must get. Resending the same number with the same "
@@ -137,6 +162,11 @@ def _endpoint(connection: Connection, handle: UUID):
     return endpoint
 
 
+def _scopes_of(endpoint) -> tuple[str, str]:
+    """Either scope lets a key look at a conversation side: sending on its service, or receiving from its queue."""
+    return f"send:{endpoint.service_name}", f"receive:{endpoint.queue_name}"
+
+
 def _sending_endpoint(connection: Connection, key: ApiKey, handle: UUID):
     endpoint = _endpoint(connection, handle)
     require(key, f"send:{endpoint.service_name}")
@@ -160,8 +190,17 @@ def begin_conversation(begin: BeginConversation, request: Request, key: ApiKey =
 def get_conversation(conversation_handle: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Any:
     with request.app.state.engine.connect() as connection:
         endpoint = _endpoint(connection, conversation_handle)
-    require(key, f"send:{endpoint.service_name}", f"receive:{endpoint.queue_name}")
+    require(key, *_scopes_of(endpoint))
     return endpoint._asdict()
+
+
+@router.get("/{conversation_handle}/messages", response_model=ConversationLife,
+            summary="Follow one side of a conversation: what it sent and received, and why each message here waits",
+            responses=error_responses(404, 422))
+def get_conversation_messages(conversation_handle: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Any:
+    with request.app.state.engine.connect() as connection:
+        require(key, *_scopes_of(_endpoint(connection, conversation_handle)))
+        return conversation_life(connection, conversation_handle)
 
 
 @router.post("/{conversation_handle}/messages", status_code=201, response_model=Sent, summary="Send a message",

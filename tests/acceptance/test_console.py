@@ -38,7 +38,8 @@ def test_the_console_shows_queues_conversations_the_transmission_queue_and_dead_
         browser, engine, orders, database_url, tmp_path):
     with engine.begin() as c:
         broker.create_route(c, "far_away", "http://127.0.0.1:9", uuid4(), "a-secret-of-16-chars")
-        broker.send(c, broker.begin_dialog(c, "shop", "far_away", "orders"), "order.submit", '{"sku": 1}')
+        far = broker.begin_dialog(c, "shop", "far_away", "orders")
+        broker.send(c, far, "order.submit", '{"sku": 1}')
         broker.alter_queue(c, WAREHOUSE_QUEUE, poison_threshold=1)
         poisoned = begin(c)
         broker.send(c, poisoned, "order.note", "cannot be processed")
@@ -67,6 +68,14 @@ def test_the_console_shows_queues_conversations_the_transmission_queue_and_dead_
         expect(page.locator("#transmission")).to_contain_text("waiting for its first transmission")
         expect(page.locator("#dead")).to_contain_text("no such sku")
         expect(page.locator("#conversations")).to_contain_text("conversing")
+        # diagnose's findings: nothing relays here, and the far node does not answer
+        expect(page.locator("#diagnose")).to_contain_text("no relay is running for it")
+        expect(page.locator("#diagnose")).to_contain_text("does not answer")
+        expect(page.locator("#diagnose-summary")).to_contain_text("problems found")
+        page.fill("#handle", str(far))  # one conversation's messages, and why each waits
+        page.click("#follow button[type=submit]")
+        expect(page.locator("#life")).to_contain_text("shop to far_away, conversing: sent 1 (0 acknowledged")
+        expect(page.locator("#messages")).to_contain_text("waiting for its first transmission")
 
         page.select_option("#state", "error")
         expect(page.locator("#conversations tbody tr")).to_have_count(2)  # both sides of the quarantined one

@@ -296,7 +296,7 @@ def test_keys_are_checked_on_every_route(api, engine, admin):
               ("get", "/v1/queues/warehouse_queue", None),
               ("get", "/v1/transmission-queue", None), ("get", "/v1/message-types", None),
               ("get", "/v1/contracts", None), ("get", "/v1/services", None), ("get", "/v1/routes", None),
-              ("get", "/v1/broker-priorities", None), ("get", "/metrics", None)]
+              ("get", "/v1/broker-priorities", None), ("get", "/v1/diagnose", None), ("get", "/metrics", None)]
     revoked = new_key(engine, "admin")
     with engine.begin() as connection:
         queries.revoke_api_key(connection, revoked.split("_")[1])
@@ -457,7 +457,7 @@ def test_the_openapi_document_shows_every_route_with_examples(api):
             "/v1/message-types", "/v1/contracts", "/v1/services", "/v1/routes", "/healthz", "/readyz",
             "/metrics", "/v1/locks/{lock_token}/state", "/v1/locks/{lock_token}/dead-letter",
             "/v1/queues/{queue}/dead-letters", "/v1/queues/{queue}/dead-letters/resubmit",
-            "/v1/queues/{queue}/dead-letters/purge", "/v1/broker-priorities"} <= paths
+            "/v1/queues/{queue}/dead-letters/purge", "/v1/broker-priorities", "/v1/diagnose"} <= paths
     assert not any(path.startswith("/transport") for path in paths)
     schemas = document["components"]["schemas"]
     for model in ("BeginConversation", "SendMessage", "ReceiveRequest", "RenewRequest", "MoveConversation",

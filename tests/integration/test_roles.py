@@ -505,6 +505,8 @@ def test_two_nodes_converse_with_admin_and_relay_logins(database_url, second_dat
         bearer = {"Authorization": f"Bearer {key}"}
         for path in ("/v1/queues", "/v1/services", "/v1/routes", "/v1/status", "/metrics"):
             assert httpx.get(f"{address['a']}{path}", headers=bearer, timeout=5).status_code == 200, path
+        findings = httpx.get(f"{address['a']}/v1/diagnose", headers=bearer, timeout=60).json()
+        assert [f for f in findings if f["level"] != "ok"] == []
         assert [log.name for log in logs if "permission denied" in log.read_text()] == []
     finally:
         for process in processes:
