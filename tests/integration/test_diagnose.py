@@ -197,3 +197,20 @@ def test_a_clock_past_the_limit_gets_clock_advice_wherever_it_is_the_cause(nodes
         assert re.search(r"the timestamp is 4\d\d\.\d s away from this node's clock \(at most 300 s allowed\)",
                          finding["finding"]), finding
         assert finding["advice"].startswith("keep the clocks in sync (NTP)"), finding
+
+
+@pytest.mark.parametrize("status, advice", [
+    (500, "that node fails: look at its log"), (503, "that node fails: look at its log"),
+    (404, "see the checks of that node's routes below")])
+def test_a_destination_that_keeps_refusing_is_an_error_with_advice_whatever_the_cause(nodes, status, advice):
+    a, _ = nodes
+    with ScriptedPeer(lambda request: json_answer(status, {"title": "no"})) as peer:
+        with a.engine.begin() as c:
+            broker.create_route(c, "elsewhere", peer.address, uuid4(), SECRET)
+            broker.send(c, broker.begin_dialog(c, "shop", "elsewhere", "orders"), "order.note", "x")
+        wait_for(lambda: a.scalar("SELECT max(attempts) FROM broker.transmission_queue_status") >= 3, 30,
+                 "three refused attempts")
+        code, findings = _diagnose(a)
+    assert code == 1
+    refusing = _errors(findings)[f"transmission to {peer.address}"]
+    assert f"answered HTTP {status}" in refusing["finding"] and refusing["advice"] == advice
