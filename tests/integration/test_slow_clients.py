@@ -37,6 +37,15 @@ def _closed_within(connection: socket.socket, seconds: float) -> bool:
         return isinstance(error, ConnectionResetError)
 
 
+def _answer_until_closed(connection: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (the head and the body may come apart);
+    raises TimeoutError if it does not close."""
+    answer = b""
+    while chunk := connection.recv(4096):
+        answer += chunk
+    return answer
+
+
 def test_a_client_that_trickles_its_headers_is_cut_off(node):
     trickling = [_connect(node) for _ in range(25)]
     started = time.monotonic()
@@ -59,9 +68,8 @@ def test_a_body_that_does_not_come_in_time_gets_408(node):
     connection.sendall(f"POST /v1/conversations HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
                        f"Authorization: Bearer {key}\r\nContent-Length: 1000\r\n\r\n".encode() + b'{"from_service"')
     connection.settimeout(6)
-    answer = connection.recv(4096)
+    answer = _answer_until_closed(connection)
     assert answer.startswith(b"HTTP/1.1 408") and b"/problems/request-timeout" in answer
-    assert _closed_within(connection, 3)
     assert "the request body did not come within 2.0 s" in node.log.read_text()
 
 
