@@ -10,9 +10,18 @@ import httpx
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port of 127.0.0.1 that nothing listens on, and that this process has not handed out before: the
+    system may give a port it just freed again, before the process it was meant for has bound it."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+_HANDED_OUT: set[int] = set()
 
 
 def start_broker(database_url: str, log: Path, *command: str) -> subprocess.Popen:
