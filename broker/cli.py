@@ -164,6 +164,7 @@ def serve(
         raise typer.BadParameter("give --tls-cert and --tls-key together")
     _log_to_stderr()
     settings = Settings()
+    _trace(settings, "serve", f"{host}:{port}")
     # SIGTERM unwinds like Ctrl-C (the server passes both on once it has shut down), so that the node stops
     # what it started: its relay and its embedded PostgreSQL.
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
@@ -195,6 +196,15 @@ def serve(
                 relaying.join(timeout=10)
 
 
+def _trace(settings: Settings, command: str, node: str) -> None:
+    """Exports this process's spans as BROKER_TRACING says (broker.tracing)."""
+    from broker import tracing
+
+    if settings.tracing != "off":
+        require_extra(f"{command} with BROKER_TRACING={settings.tracing}", "tracing", "opentelemetry.sdk")
+    tracing.configure(settings.tracing, node)
+
+
 def _relay(url: str, settings: Settings):
     """A relay for the database, as the settings say."""
     from broker.relay import Relay
@@ -210,6 +220,7 @@ def relay() -> None:
 
     _log_to_stderr()
     settings = Settings()
+    _trace(settings, "relay", "relay")
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

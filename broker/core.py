@@ -5,6 +5,7 @@ the caller's transaction, so an application can receive, do its own work and
 send in one transaction; nothing here commits.
 """
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -14,14 +15,37 @@ from uuid import UUID
 from sqlalchemy import Connection, Result, text
 from sqlalchemy.orm import Session
 
+from broker import tracing
 from broker.errors import translated_errors
 
 Executor = Connection | Session
+# A send statement follows, FROM traced: the setting is made before the send runs.
+TRACE_THE_SEND = "WITH traced AS MATERIALIZED (SELECT set_config('broker.traceparent', :traceparent, true))"
+END_THE_TRACE = "SELECT set_config('broker.traceparent', '', true)"
 
 
 def _call(executor: Executor, sql: str, **params: Any) -> Result:
     with translated_errors():
         return executor.execute(text(sql), params)
+
+
+def _send(executor: Executor, sql: str, traceparent: str | None, attributes: dict[str, Any], **params: Any) -> Any:
+    """Runs a send statement; its messages carry the trace of broker.tracing.sending, set for the statement as
+    broker.traceparent and cleared after it, so that it reaches no later send.  A send outside any trace costs
+    nothing more."""
+    if traceparent is None and not tracing.enabled():
+        return _call(executor, sql, **params).scalar_one()
+    with tracing.sending(traceparent, attributes) as handed_on:
+        if handed_on is None:
+            return _call(executor, sql, **params).scalar_one()
+        sent = _call(executor, f"{TRACE_THE_SEND} {sql} FROM traced", traceparent=handed_on, **params).scalar_one()
+        _call(executor, END_THE_TRACE)
+        return sent
+
+
+def _received(queue: str, started_ns: int, messages: list) -> list:
+    tracing.received(queue, messages, started_ns)
+    return messages
 
 
 def _as_bytes(body: bytes | str | None) -> bytes | None:
@@ -44,6 +68,8 @@ class ReceivedMessage:
     message_type: str
     body: bytes | None
     enqueued_at: datetime
+    # The W3C traceparent it carries (broker.tracing): continue its trace from it.
+    traceparent: str | None
 
     def json(self) -> Any:
         return None if self.body is None else json.loads(self.body)
@@ -142,48 +168,58 @@ def begin_dialog(executor: Executor, from_service: str, to_service: str, contrac
 
 
 def send(executor: Executor, conversation_handle: UUID, message_type: str, body: bytes | str | None = None, *,
-         deliver_after: timedelta | None = None, deliver_at: datetime | None = None) -> int:
+         deliver_after: timedelta | None = None, deliver_at: datetime | None = None,
+         traceparent: str | None = None) -> int:
     """Sends a message (str bodies are UTF-8 encoded); returns its sequence number. Given deliver_after (from
     now, by the database's clock) or deliver_at, it is held until then, and the later messages of its
-    conversation behind it."""
-    return _call(executor, "SELECT broker.send(:handle, :message_type, :body, :after, :at)",
+    conversation behind it.  The message belongs to the trace of traceparent, or else of the current
+    OpenTelemetry span (see broker.tracing); every send function takes it."""
+    return _send(executor, "SELECT broker.send(:handle, :message_type, :body, :after, :at)", traceparent,
+                 {"pg_broker.conversation_handle": str(conversation_handle), "pg_broker.message_type": message_type},
                  handle=conversation_handle, message_type=message_type, body=_as_bytes(body), after=deliver_after,
-                 at=deliver_at).scalar_one()
+                 at=deliver_at)
 
 
 def send_batch(executor: Executor, conversation_handles: Sequence[UUID], message_type: str,
-               bodies: Sequence[bytes | str | None] | None = None) -> list[int]:
+               bodies: Sequence[bytes | str | None] | None = None, *, traceparent: str | None = None) -> list[int]:
     """Sends bodies[i] on conversation_handles[i], all of one message type, in one statement; returns the
     sequence numbers in the order given.  A handle may repeat: its messages are numbered in that order.
     All or nothing, with the checks and errors of send."""
-    return _call(executor, "SELECT broker.send_batch(CAST(:handles AS uuid[]), :message_type, CAST(:bodies AS bytea[]))",
+    return _send(executor, "SELECT broker.send_batch(CAST(:handles AS uuid[]), :message_type,"
+                           " CAST(:bodies AS bytea[]))",
+                 traceparent, {"messaging.batch.message_count": len(conversation_handles),
+                               "pg_broker.message_type": message_type},
                  handles=[str(handle) for handle in conversation_handles], message_type=message_type,
-                 bodies=None if bodies is None else [_as_bytes(body) for body in bodies]).scalar_one()
+                 bodies=None if bodies is None else [_as_bytes(body) for body in bodies])
 
 
 def send_numbered(executor: Executor, conversation_handle: UUID, sequence_number: int, message_type: str,
                   body: bytes | str | None = None, *, deliver_after: timedelta | None = None,
-                  deliver_at: datetime | None = None) -> bool:
+                  deliver_at: datetime | None = None, traceparent: str | None = None) -> bool:
     """Sends message number sequence_number, held as send holds it; False when that very message was sent
     already (whatever delivery time either gave).
 
     Raises SequenceConflict when the number is out of turn or was used for another content.
     """
-    return _call(executor, "SELECT broker.send_numbered(:handle, :number, :message_type, :body, :after, :at)",
+    return _send(executor, "SELECT broker.send_numbered(:handle, :number, :message_type, :body, :after, :at)",
+                 traceparent, {"pg_broker.conversation_handle": str(conversation_handle),
+                               "pg_broker.message_type": message_type},
                  handle=conversation_handle, number=sequence_number, message_type=message_type,
-                 body=_as_bytes(body), after=deliver_after, at=deliver_at).scalar_one()
+                 body=_as_bytes(body), after=deliver_after, at=deliver_at)
 
 
-def send_numbered_batch(executor: Executor, messages: Sequence[tuple[UUID, int, str, bytes | str | None]]) -> list[bool]:
+def send_numbered_batch(executor: Executor, messages: Sequence[tuple[UUID, int, str, bytes | str | None]], *,
+                        traceparent: str | None = None) -> list[bool]:
     """send_numbered for each (conversation_handle, sequence_number, message_type, body), in the order given, all
     or none, in one statement: whether each was sent now (False: that very message was sent already).
 
     Raises SequenceConflict for the first message out of turn or sent before with another content."""
-    return _call(executor, "SELECT broker.send_numbered_batch(CAST(:handles AS uuid[]), CAST(:numbers AS bigint[]),"
+    return _send(executor, "SELECT broker.send_numbered_batch(CAST(:handles AS uuid[]), CAST(:numbers AS bigint[]),"
                            " CAST(:message_types AS text[]), CAST(:bodies AS bytea[]))",
+                 traceparent, {"messaging.batch.message_count": len(messages)},
                  handles=[str(handle) for handle, _, _, _ in messages], numbers=[number for _, number, _, _ in messages],
                  message_types=[message_type for _, _, message_type, _ in messages],
-                 bodies=[_as_bytes(body) for _, _, _, body in messages]).scalar_one()
+                 bodies=[_as_bytes(body) for _, _, _, body in messages])
 
 
 def receive(executor: Executor, queue: str, max_messages: int | None = 1, *, conversation_group: UUID | None = None,
@@ -194,10 +230,12 @@ def receive(executor: Executor, queue: str, max_messages: int | None = 1, *, con
 
     The messages are consumed when the caller commits and come back on rollback.
     """
+    started_ns = time.time_ns()
     rows = _call(executor, "SELECT * FROM broker.receive(:queue, :max_messages, :group, :wait_ms, :handle)",
                  queue=queue, max_messages=max_messages, group=conversation_group, wait_ms=wait_ms,
                  handle=conversation_handle)
-    return [ReceivedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows]
+    return _received(queue, started_ns,
+                     [ReceivedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows])
 
 
 def receive_with_lock(executor: Executor, queue: str, max_messages: int, lock_duration: timedelta,
@@ -208,11 +246,13 @@ def receive_with_lock(executor: Executor, queue: str, max_messages: int, lock_du
 
     They stay in the queue until complete_lock; abandon_lock or expiry hands them out again.
     """
+    started_ns = time.time_ns()
     rows = _call(executor, "SELECT * FROM broker.receive_with_lock(:queue, :max_messages, :lock_duration,"
                            " :max_bytes, :handle)",
                  queue=queue, max_messages=max_messages, lock_duration=lock_duration, max_bytes=max_bytes,
                  handle=conversation_handle)
-    return [LockedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows]
+    return _received(queue, started_ns,
+                     [LockedMessage(**{**row._mapping, "body": _bytes_or_none(row.body)}) for row in rows])
 
 
 def complete_lock(executor: Executor, lock_token: UUID) -> int:

@@ -142,7 +142,7 @@ ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_
 # queue's retention), or dead-lettered.  What was acknowledged or received and deleted is counted, not listed.
 CONVERSATION_MESSAGES = text("""
     SELECT 'sent' AS direction, t.message_sequence_number AS sequence_number, t.message_type, t.body_bytes,
-           t.enqueued_at AS since, t.attempts, t.transmission_status AS status
+           t.enqueued_at AS since, t.attempts, t.transmission_status AS status, t.traceparent
     FROM broker.transmission_queue_status t WHERE t.conversation_handle = :handle
     UNION ALL
     SELECT 'arrived', m.message_sequence_number, mt.name, octet_length(m.body), m.enqueued_at, m.failed_attempts,
@@ -153,7 +153,8 @@ CONVERSATION_MESSAGES = text("""
                      THEN format('handed out under a lock until %s', to_char(l.expires_at, 'YYYY-MM-DD HH24:MI:SS TZ'))
                 WHEN m.failed_attempts > 0
                      THEN format('waiting for a reader after %s failed attempts', m.failed_attempts)
-                ELSE 'waiting for a reader' END
+                ELSE 'waiting for a reader' END,
+           m.traceparent
     FROM broker.endpoints e
     JOIN broker.queue_messages m ON m.conversation_group_id = e.conversation_group_id
                                 AND m.conversation_handle = e.conversation_handle
@@ -164,7 +165,8 @@ CONVERSATION_MESSAGES = text("""
     UNION ALL
     SELECT 'dead letter', d.message_sequence_number, d.message_type, octet_length(d.body), d.enqueued_at,
            d.failed_attempts, format('dead-lettered at %s: %s', to_char(d.dead_lettered_at, 'YYYY-MM-DD HH24:MI:SS TZ'),
-                                     d.reason)
+                                     d.reason),
+           d.traceparent
     FROM broker.dead_letters d WHERE d.conversation_handle = :handle
     ORDER BY direction DESC, sequence_number
 """)
@@ -327,7 +329,7 @@ def ingests(connection: Connection) -> list[Row]:
 
 DEAD_LETTERS = text("""
     SELECT dead_letter_id, conversation_handle, conversation_id, message_sequence_number, message_type, body,
-           enqueued_at, dead_lettered_at, failed_attempts, reason
+           enqueued_at, dead_lettered_at, failed_attempts, reason, traceparent
     FROM broker.dead_letters WHERE queue_name = :queue
     ORDER BY dead_letter_id LIMIT :limit OFFSET :offset
 """)
@@ -340,6 +342,24 @@ def dead_letters(connection: Connection, queue: str, limit: int, offset: int) ->
 
 def latest_dead_letters(connection: Connection, limit: int) -> list[Row]:
     return connection.execute(LATEST_DEAD_LETTERS, {"limit": limit}).all()
+
+
+LAST_DEAD_LETTER = text("SELECT coalesce(max(dead_letter_id), 0) FROM broker.dead_letters")
+TRACED_DEAD_LETTERS_AFTER = text("""
+    SELECT dead_letter_id, queue_name, conversation_handle, message_sequence_number, reason, dead_lettered_at,
+           traceparent
+    FROM broker.dead_letters WHERE dead_letter_id > :after AND traceparent IS NOT NULL
+    ORDER BY dead_letter_id LIMIT 1000
+""")
+
+
+def last_dead_letter(connection: Connection) -> int:
+    return connection.execute(LAST_DEAD_LETTER).scalar_one()
+
+
+def traced_dead_letters_after(connection: Connection, dead_letter_id: int) -> list[Row]:
+    """The next dead letters after dead_letter_id that carry a traceparent, oldest first."""
+    return connection.execute(TRACED_DEAD_LETTERS_AFTER, {"after": dead_letter_id}).all()
 
 
 # --- API keys -----------------------------------------------------------------------------------

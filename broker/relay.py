@@ -31,7 +31,7 @@ import psycopg2
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DataError, DBAPIError
 
-from broker import queries, timers
+from broker import queries, timers, tracing
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILURES, RELAY_SENT
 from broker.sessions import with_temporary_table
 from broker.transport import wire
@@ -103,6 +103,8 @@ class Relay:
         threads.append(threading.Thread(target=timers.fire_due_events, args=(self.engine, stop), name="timers", daemon=True))
         threads.append(threading.Thread(target=timers.count_unreported_rollbacks, args=(self.engine, stop),
                                         name="rollback counter", daemon=True))
+        threads.append(threading.Thread(target=timers.report_dead_letters, args=(self.engine, stop),
+                                        name="dead letter reporter", daemon=True))
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -241,7 +243,9 @@ class Lane:
             started = time.monotonic()
             RELAY_SENT.labels(address).inc(messages)
             try:
-                delivered = self._apply_answer(destination, batch, post_batch(self.client, destination, self.instance, batch))
+                with tracing.handed_on(batch, "transmit", "client", {"server.address": address}) as batch:
+                    delivered = self._apply_answer(destination, batch,
+                                                   post_batch(self.client, destination, self.instance, batch))
             except BatchTooLarge as refusal:
                 RELAY_FAILURES.labels(address).inc()
                 self._refused_as_too_large(address, refusal, batch, messages)

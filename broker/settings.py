@@ -1,5 +1,6 @@
 """One settings object, read from BROKER_* environment variables, for the CLI, Alembic and the API."""
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -35,6 +36,9 @@ class Settings(BaseSettings):
     # Transport: how far a peer's clock may be from this node's before its requests are refused (replays of a
     # request are harmless within it: duplicates are discarded).  The same on both nodes, like the secret.
     max_clock_skew_s: float = Field(signing.DEFAULT_MAX_CLOCK_SKEW_S, gt=0, le=86400)
+    # Traces (broker/tracing.py): where a node exports its spans, "console" (stdout) or "otlp" (see the
+    # OTEL_EXPORTER_OTLP_* variables); needs the tracing extra.
+    tracing: Literal["off", "console", "otlp"] = "off"
     # Spark ingest: the PostgreSQL JDBC driver jar (default: looked for, see spark_ingest/jdbc.py).
     jdbc_driver: Path | None = None
 

@@ -3,7 +3,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 from uuid import UUID
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 from sqlalchemy import Connection
 
@@ -71,6 +71,7 @@ class ConversationMessage(BaseModel):
     since: datetime = Field(description="when it was queued here")
     attempts: int = Field(description="sent: failed transmissions; arrived and dead letters: failed receives")
     status: str = Field(examples=["waiting for its first transmission", "waiting for a reader"])
+    traceparent: str | None = Field(None, description="the W3C traceparent it carries: its trace")
 
 
 class ConversationLife(BaseModel):
@@ -154,6 +155,10 @@ class MoveConversation(BaseModel):
 
     conversation_group: UUID = Field(description="a group of the same queue; one that does not exist yet is made")
 
+# W3C Trace Context: the messages sent join this trace (see broker.tracing).
+TRACEPARENT = Header(None, description="a W3C traceparent (00-<trace id>-<parent id>-<flags>): the messages sent "
+                                       "carry it, and their transmission and receipt continue its trace")
+
 
 def _endpoint(connection: Connection, handle: UUID):
     endpoint = queries.endpoint(connection, handle)
@@ -206,12 +211,12 @@ def get_conversation_messages(conversation_handle: UUID, request: Request, key: 
 @router.post("/{conversation_handle}/messages", status_code=201, response_model=Sent, summary="Send a message",
              responses=error_responses(404, 409, *READS_BODY))
 def send_message(conversation_handle: UUID, message: SendMessage, request: Request,
-                 key: ApiKey = Depends(api_key)) -> Sent:
+                 key: ApiKey = Depends(api_key), traceparent: str | None = TRACEPARENT) -> Sent:
     body = bodies.encode(message.body, message.body_base64)
     with request.app.state.engine.begin() as connection:
         _sending_endpoint(connection, key, conversation_handle)
         after = None if message.deliver_after_s is None else timedelta(seconds=message.deliver_after_s)
-        delivery = {"deliver_after": after, "deliver_at": message.deliver_at}
+        delivery = {"deliver_after": after, "deliver_at": message.deliver_at, "traceparent": traceparent}
         if message.sequence_number is None:
             return Sent(sequence_number=broker.send(connection, conversation_handle, message.message_type, body,
                                                     **delivery), duplicate=False)
@@ -222,7 +227,8 @@ def send_message(conversation_handle: UUID, message: SendMessage, request: Reque
 
 @messages_router.post("/messages", response_model=SentMany, summary="Send many messages, on any conversations",
                       responses=error_responses(404, 409, *READS_BODY))
-def send_messages(batch: SendMessages, request: Request, key: ApiKey = Depends(api_key)) -> SentMany:
+def send_messages(batch: SendMessages, request: Request, key: ApiKey = Depends(api_key),
+                  traceparent: str | None = TRACEPARENT) -> SentMany:
     """One request and one transaction for many numbered sends: each as POST …/messages with its sequence_number
     would do it, all or none.  The key needs send:<service> for every conversation named."""
     handles = list(dict.fromkeys(message.conversation_handle for message in batch.messages))
@@ -235,7 +241,7 @@ def send_messages(batch: SendMessages, request: Request, key: ApiKey = Depends(a
             raise Problem(404, "unknown-object", "No such object", f"unknown conversation {unknown}")
         for service in sorted(set(services.values())):
             require(key, f"send:{service}")
-        sent_now = broker.send_numbered_batch(connection, encoded)
+        sent_now = broker.send_numbered_batch(connection, encoded, traceparent=traceparent)
     return SentMany(messages=[Sent(sequence_number=message.sequence_number, duplicate=not now)
                               for message, now in zip(batch.messages, sent_now)])
 

@@ -61,6 +61,7 @@ class Message(BaseModel):
     queue_position: int
     delivery_count: int = Field(description="how many times this message was handed out under a lock, this one "
                                             "included")
+    traceparent: str | None = Field(None, description="the W3C traceparent it carries: continue its trace from it")
 
 
 class Received(BaseModel):
@@ -111,6 +112,7 @@ class DeadLetterMessage(BaseModel):
     dead_lettered_at: datetime
     failed_attempts: int
     reason: str = Field(description="why it was dead-lettered, in words")
+    traceparent: str | None = Field(None, description="the W3C traceparent its message carried")
 
 
 class DeadLetterRequest(BaseModel):
@@ -216,7 +218,8 @@ def _message_json(m: broker.LockedMessage) -> str:
                               conversation_group_id=m.conversation_group_id, sequence_number=m.message_sequence_number,
                               message_type=m.message_type, service_name=m.service_name,
                               contract_name=m.contract_name, enqueued_at=m.enqueued_at,
-                              queue_position=m.queue_position, delivery_count=m.delivery_count), m.body)
+                              queue_position=m.queue_position, delivery_count=m.delivery_count,
+                              traceparent=m.traceparent), m.body)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:

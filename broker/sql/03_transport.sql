@@ -23,6 +23,7 @@ CREATE TABLE broker.transmission_queue (
     next_attempt_at          timestamptz NOT NULL DEFAULT now(),
     transmission_status      text NOT NULL DEFAULT 'waiting for its first transmission',
     priority                 smallint NOT NULL DEFAULT 5,  -- the sending endpoint's
+    traceparent              text,  -- the sending transaction's broker._traceparent()
     -- A destination's messages of each priority in the order they are sent
     -- (broker.transport_batch): a batch reads its own destination's messages
     -- and no others.  to_service and priority are the sending endpoint's
@@ -68,7 +69,8 @@ SELECT t.conversation_handle, t.conversation_id, t.to_service, t.message_sequenc
                              to_char(t.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ'))
             WHEN f.reason IS NULL THEN t.transmission_status
             ELSE format('%s (attempt %s, next at %s)', f.reason, f.attempts,
-                        to_char(f.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ')) END AS transmission_status
+                        to_char(f.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ')) END AS transmission_status,
+       t.traceparent
 FROM broker.transmission_queue t
 JOIN broker.message_types mt USING (message_type_id)
 LEFT JOIN LATERAL (SELECT f.* FROM broker.routes r
@@ -93,7 +95,8 @@ CREATE TYPE broker.transport_message AS (
     expires_at           timestamptz,
     sequence_number      bigint,
     message_type         text,
-    body                 bytea
+    body                 bytea,
+    traceparent          text  -- the span that handed it on (see broker.tracing)
 );
 
 -- A conversation of a batch whose endpoint here is locked for the batch.
@@ -222,10 +225,11 @@ BEGIN
         END IF;
         first_position := broker._next_queue_positions(stored);
         INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
-                                           conversation_id, message_sequence_number, message_type_id, body, priority)
+                                           conversation_id, message_sequence_number, message_type_id, body, priority,
+                                           traceparent)
         SELECT e.queue_id, first_position + m.k - 1, e.conversation_group_id, e.conversation_handle,
                e.conversation_id, (m.value ->> 'sequence_number')::bigint, t.message_type_id,
-               decode(m.value ->> 'body', 'base64'), e.priority
+               decode(m.value ->> 'body', 'base64'), e.priority, m.value ->> 'traceparent'
         FROM jsonb_array_elements(next_messages) WITH ORDINALITY AS m(value, k)
         JOIN broker.message_types t ON t.name = m.value ->> 'message_type';
         UPDATE broker.endpoints SET receive_sequence = e.receive_sequence + stored
@@ -241,7 +245,7 @@ BEGIN
         IF mt.name NOT LIKE 'broker.%' THEN
             PERFORM broker._check_message(e.contract_id, NOT e.is_initiator, mt, body);
         END IF;
-        PERFORM broker._deliver(e, sequence_number, mt, body);
+        PERFORM broker._deliver(e, sequence_number, mt, body, message ->> 'traceparent');
         SELECT * INTO e FROM broker.endpoints WHERE conversation_handle = e.conversation_handle;
     END LOOP;
     RETURN e.receive_sequence;
@@ -421,7 +425,8 @@ BEGIN
     -- Each conversation's run of numbers after receive_sequence without a gap;
     -- a conversation is taken here only when all of its run is plain.
     WITH fresh AS (
-        SELECT DISTINCT ON (t.conversation_handle, b.sequence_number) t.*, b.sequence_number, b.message_type, b.body
+        SELECT DISTINCT ON (t.conversation_handle, b.sequence_number)
+               t.*, b.sequence_number, b.message_type, b.body, b.traceparent
         FROM unnest(taken) t
         JOIN pg_temp.incoming_transport_batch b
           ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
@@ -444,10 +449,11 @@ BEGIN
         FROM judged j WHERE j.plain AND j.conversation_handle <> ALL (with_error)
     ), stored AS (
         INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
-                                           conversation_id, message_sequence_number, message_type_id, body, priority)
+                                           conversation_id, message_sequence_number, message_type_id, body, priority,
+                                           traceparent)
         SELECT a.queue_id, (SELECT broker._next_queue_positions(count(*)::integer) FROM accepted) + a.place - 1,
                a.conversation_group_id, a.conversation_handle, a.conversation_id, a.sequence_number,
-               a.message_type_id, a.body, a.priority
+               a.message_type_id, a.body, a.priority, a.traceparent
         FROM accepted a
         RETURNING queue_id
     ), moved_on AS (
@@ -490,6 +496,10 @@ DECLARE
     in_bulk jsonb;
     one_by_one jsonb;
 BEGIN
+    -- Each trace of the batch checked once: a malformed traceparent refuses the
+    -- whole batch (SQLSTATE 23514), before anything is stored.
+    PERFORM given::broker.traceparent
+    FROM (SELECT DISTINCT b.traceparent AS given FROM pg_temp.incoming_transport_batch b) traces;
     WITH batch_conversations AS (
         SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_transport_batch b
     ), foreign_conversations AS (
@@ -527,7 +537,8 @@ BEGIN
                                              'contract', b.contract, 'expires_at', b.expires_at)
                           ORDER BY b.sequence_number))[1] AS header,
                jsonb_agg(jsonb_build_object('sequence_number', b.sequence_number, 'message_type', b.message_type,
-                                            'body', encode(b.body, 'base64')) ORDER BY b.sequence_number) AS messages
+                                            'body', encode(b.body, 'base64'), 'traceparent', b.traceparent)
+                         ORDER BY b.sequence_number) AS messages
         FROM pg_temp.incoming_transport_batch b
         WHERE NOT EXISTS (SELECT 1 FROM taken_in_bulk t
                           WHERE t.conversation_id = b.conversation_id AND t.sender_is_initiator = b.sender_is_initiator)
@@ -561,8 +572,8 @@ COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
 -- batch is cut where its bodies and headers reach max_bytes.  The first
 -- message always goes, whatever its size, so that a message at the size limit
 -- still travels alone.  A message's share is its body and the texts that
--- travel with it, plus 80 bytes for the fixed-size fields and lengths of its
--- row in the binary COPY format.
+-- travel with it (its traceparent among them), plus 80 bytes for the
+-- fixed-size fields and lengths of its row in the binary COPY format.
 CREATE FUNCTION broker.transport_batch(destination text, max_messages integer, max_bytes bigint,
                                        first_handle uuid, last_handle uuid)
 RETURNS SETOF broker.transport_message
@@ -573,12 +584,12 @@ DECLARE  -- conversations held back after a failure: seldom any, so each message
 BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made again for each
     RETURN QUERY
     SELECT sized.conversation_id, sized.is_initiator, sized.from_service, sized.to_service, sized.contract,
-           sized.expires_at, sized.sequence_number, sized.message_type, sized.body
+           sized.expires_at, sized.sequence_number, sized.message_type, sized.body, sized.traceparent
     FROM (SELECT e.conversation_id, e.is_initiator, s.name AS from_service, e.far_service AS to_service,
                  c.name AS contract, e.expires_at, due.message_sequence_number AS sequence_number,
-                 mt.name AS message_type, due.body,
+                 mt.name AS message_type, due.body, due.traceparent,
                  sum(80 + coalesce(octet_length(due.body), 0) + octet_length(s.name) + octet_length(e.far_service)
-                     + octet_length(c.name) + octet_length(mt.name))
+                     + octet_length(c.name) + octet_length(mt.name) + coalesce(octet_length(due.traceparent), 0))
                      OVER (ORDER BY due.priority DESC, due.conversation_handle, due.message_sequence_number)
                      AS bytes_so_far,
                  row_number() OVER (ORDER BY due.priority DESC, due.conversation_handle, due.message_sequence_number)

@@ -63,7 +63,8 @@ CREATE TYPE broker.locked_message AS (
     contract_name            text,
     message_type             text,
     body                     bytea,
-    enqueued_at              timestamptz
+    enqueued_at              timestamptz,
+    traceparent              text
 );
 
 CREATE FUNCTION broker._leased(group_id uuid) RETURNS boolean
@@ -211,7 +212,8 @@ BEGIN
 
     RETURN QUERY
     SELECT token, expires, m.delivery_count, m.queue_position, m.conversation_group_id, m.conversation_handle,
-           m.conversation_id, m.message_sequence_number, s.name, c.name, mt.name, m.body, m.enqueued_at
+           m.conversation_id, m.message_sequence_number, s.name, c.name, mt.name, m.body, m.enqueued_at,
+           m.traceparent
     FROM broker.leases l
     JOIN broker.queue_messages m ON m.queue_id = l.queue_id AND m.queue_position = ANY (l.queue_positions)
     JOIN broker.endpoints e ON e.conversation_handle = m.conversation_handle

@@ -96,6 +96,10 @@ GRANT EXECUTE ON FUNCTION broker.count_unreported_rollbacks(interval, integer) T
 GRANT SELECT ON broker.node, broker.routes, broker.message_types, broker.contracts, broker.contract_message_types,
                 broker.queues, broker.services, broker.service_contracts, broker.leases, broker.broker_priorities
     TO broker_relay;
+-- A tracing node reports each new dead letter in its message's trace
+-- (broker.tracing): what it reads of them, their bodies left out.
+GRANT SELECT (dead_letter_id, queue_name, conversation_handle, message_sequence_number, reason, dead_lettered_at,
+              traceparent) ON broker.dead_letters TO broker_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON broker.endpoints, broker.conversation_groups, broker.queue_messages,
                                         broker.transmission_queue, broker.transmission_failures,
                                         broker.forgotten_conversations

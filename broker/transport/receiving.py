@@ -6,11 +6,13 @@ temporary table by COPY, and PostgreSQL's own input checks refuse anything malfo
 """
 import io
 from collections.abc import Mapping
+from contextlib import ExitStack
 
 import psycopg2
 from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import DataError, IntegrityError
 
-from broker import queries
+from broker import queries, tracing
 from broker.sessions import with_temporary_table
 from broker.transport import signing, wire
 
@@ -41,13 +43,17 @@ def accept_batch(engine: Engine, our_instance: str, peer_instance: str, headers:
     """Checks the signature, stores the batch and commits, in one transaction; returns the secret it was signed
     under and the answer (JSON) to sign with it.  Raises signing.BadSignature or Malformed, with nothing stored."""
     purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.BATCH_MEDIA_TYPE, our_instance)
-    try:
-        with engine.connect() as connection, \
+    try:  # the traces' spans end after the commit (ExitStack), and only for a signed batch
+        with engine.connect() as connection, ExitStack() as traces, \
                 with_temporary_table(connection, "incoming_transport_batch", STAGE_BATCH).begin():
             secret = secret_of_signer(connection, peer_instance, purpose, headers, batch)
+            stored = traces.enter_context(tracing.handed_on(batch, "accept", "server",
+                                                            {"pg_broker.peer": peer_instance}))
             with connection.connection.cursor() as cursor:
-                cursor.copy_expert(COPY_BATCH, io.BytesIO(batch))
+                cursor.copy_expert(COPY_BATCH, io.BytesIO(stored))
             answer = connection.execute(ACCEPT_BATCH, {"instance": peer_instance}).scalar_one()
-    except (psycopg2.DataError, psycopg2.IntegrityError) as error:  # PostgreSQL's input checks refused it
+    except (psycopg2.DataError, psycopg2.IntegrityError) as error:  # PostgreSQL's input checks refused it (COPY)
         raise Malformed(str(error).strip().splitlines()[0]) from error
+    except (DataError, IntegrityError) as error:  # or the checks of broker.accept_transport_batch
+        raise Malformed(str(error.orig).strip().splitlines()[0]) from error
     return secret, answer.encode()

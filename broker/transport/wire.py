@@ -1,7 +1,8 @@
 """The wire version: the format of a batch between nodes, named by its media type.
 
-Version 1 was JSON (sent as application/json); version 2 is PostgreSQL's binary COPY format of
-broker.transport_message rows, sent as BATCH_MEDIA_TYPE.  A node takes batches of its own wire
+Version 1 was JSON (sent as application/json); version 2 was PostgreSQL's binary COPY format of
+broker.transport_message rows, sent as BATCH_MEDIA_TYPE; version 3 adds each message's traceparent to
+the row (broker.tracing).  A node takes batches of its own wire
 version only and refuses any other from the request's headers (415, naming both versions), so two
 nodes of different versions never read each other's batches as something they are not.  A request
 is signed for its media type as well (broker.transport.signing), so a batch cannot be passed off as another
@@ -9,7 +10,7 @@ format.  /healthz names the version, for `broker diagnose` on a peer.
 """
 import uuid
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 BATCH_TYPE = "application/vnd.pg-broker.batch"
 BATCH_MEDIA_TYPE = f"{BATCH_TYPE}; version={WIRE_VERSION}"
 # What a describe request and every answer are: JSON.

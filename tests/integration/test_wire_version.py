@@ -15,11 +15,11 @@ from tests.integration.test_bounded_requests import MIB, _headers_only
 from tests.integration.test_diagnose import _diagnose
 from tests.integration.test_transport import _batch, _encode, _post, _stored
 
-OTHER_VERSION = 3
+OTHER_VERSION = 4
 
 
 def other_version_node(instance) -> ScriptedPeer:
-    """A node of wire version 3: /healthz names it, and every batch is refused as a node of that version
+    """A node of wire version 4: /healthz names it, and every batch is refused as a node of that version
     refuses one of ours."""
     def answer(request):
         if request.method == "GET":
@@ -27,7 +27,7 @@ def other_version_node(instance) -> ScriptedPeer:
         return json_answer(415, {
             "type": "/problems/unsupported-wire-version", "status": 415,
             "title": "The batch is in a wire version this node does not take",
-            "detail": f"the batch is sent as wire version 2; this node takes wire version {OTHER_VERSION}",
+            "detail": f"the batch is sent as wire version 3; this node takes wire version {OTHER_VERSION}",
             "wire_version": OTHER_VERSION}, media_type="application/problem+json")
 
     return ScriptedPeer(answer)
@@ -38,7 +38,7 @@ def other_version_node(instance) -> ScriptedPeer:
     ("application/json", "(wire version 1)"),
     (wire.BATCH_TYPE, "(no wire version)"),
     (f"{wire.BATCH_TYPE}; version={OTHER_VERSION}", f"(wire version {OTHER_VERSION})"),
-], ids=["none", "JSON", "unversioned", "version 3"])
+], ids=["none", "JSON", "unversioned", "version 4"])
 def test_a_batch_in_another_wire_version_is_refused_before_its_body_is_read(nodes, content_type, sent):
     a, b = nodes
     peer = {signing.INSTANCE_HEADER: str(a.instance), signing.TIMESTAMP_HEADER: str(int(time.time())),

@@ -76,7 +76,7 @@ def test_a_stale_or_unsigned_request_is_refused_before_its_body(timestamp, why):
 
 
 @pytest.mark.parametrize("content_type, version", [
-    (wire.BATCH_MEDIA_TYPE, "2"), ("application/vnd.pg-broker.batch; version=\"3\"", "3"),
+    (wire.BATCH_MEDIA_TYPE, "3"), ("application/vnd.pg-broker.batch; version=\"4\"", "4"),
     ("Application/Vnd.Pg-Broker.Batch;Version=2", "2"), ("application/json", "1"),
     ("application/json; charset=utf-8", "1"), ("application/vnd.pg-broker.batch", None),
     ("text/plain", None), (None, None), ("", None)])
