@@ -13,6 +13,7 @@ import psycopg2.extras
 
 from bench import workload
 from bench.nodes import TwoNodes
+from bench.otlp_sink import OtlpSink
 from bench.results import Measurement, ScenarioResult
 
 BARE_OUTBOX = ("CREATE TABLE IF NOT EXISTS bench_outbox (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL,"
@@ -53,12 +54,13 @@ def open_conversations(nodes: TwoNodes, conversations: int, payloads: list) -> t
     return handles, opened_per_s
 
 
-def _transfer(nodes: TwoNodes, handles: list[str], messages: int, payloads: list, at_least_per_s: int = 500) -> float:
+def _transfer(nodes: TwoNodes, handles: list[str], messages: int, payloads: list, at_least_per_s: int = 500,
+              traced: bool = False) -> float:
     """msgs/s from the first send to the last acknowledgement, the relay running throughout; a minute
     plus the time that at_least_per_s allows is given before it fails."""
     arrived_before = nodes.arrived()
     started = time.monotonic()
-    workload.send_round_robin(nodes.a, handles, messages, payloads)
+    workload.send_round_robin(nodes.a, handles, messages, payloads, traced=traced)
     nodes.wait_until_delivered(arrived_before + messages, timeout_s=60 + messages / at_least_per_s)
     return messages / (time.monotonic() - started)
 
@@ -139,6 +141,35 @@ def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: in
                                    "per_transaction": workload.PER_TRANSACTION,
                                    "conversations_opened_per_s": opened_per_s,
                                    "measured": "over conversations already open on both nodes"})
+
+
+def traced(nodes: TwoNodes, conversations: int, messages: int, repetitions: int,
+           report: Callable[[str], None]) -> ScenarioResult:
+    """The transfer with traces on: the relay and the API export their spans over OTLP (to a sink here) and
+    each sending transaction's messages are a sampled trace of their own; against the transfer with traces
+    off, the two alternated on the same nodes."""
+    payloads = workload.bodies()
+    handles, _ = open_conversations(nodes, conversations, payloads)
+    off, on = [], []
+    with OtlpSink() as sink:
+        tracing_on = {"BROKER_TRACING": "otlp", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": sink.endpoint}
+        for repetition in range(1, repetitions + 1):
+            for settings, traced_now, rates in (({}, False, off), (tracing_on, True, on)):
+                nodes.restart(settings)
+                _transfer(nodes, handles, min(messages, 5_000), payloads, traced=traced_now)  # warm up
+                nodes.clear_arrived()
+                rates.append(_transfer(nodes, handles, messages, payloads, traced=traced_now))
+                nodes.clear_arrived()
+            report(f"cross-node transfer traced: repetition {repetition}/{repetitions}: untraced {off[-1]:,.0f} "
+                   f"msgs/s, traced {on[-1]:,.0f} msgs/s")
+        nodes.restart({})  # flushes the last spans
+        spans = sink.spans
+    measured = Measurement("traced: spans exported over OTLP", "msgs/s", on)
+    baseline = Measurement("untraced, same nodes, alternated", "msgs/s", off)
+    return ScenarioResult("cross-node transfer, traced", measured, baseline, target="≥ 0.95 × untraced",
+                          met=measured.median / baseline.median >= 0.95,
+                          details={"conversations": conversations, "messages": messages,
+                                   "messages_per_trace": workload.PER_TRANSACTION, "spans_exported": spans})
 
 
 def _latencies(nodes: TwoNodes, rate: int, seconds: float) -> tuple[list[float], list[float], float]:

@@ -19,11 +19,14 @@ WAITING_TO_TRANSMIT = "SELECT count(*) FROM broker.transmission_queue"
 ARRIVED = "SELECT count(*) FROM broker.queue_messages"
 
 
-def serve_api(database_url: str, log: Path) -> tuple[subprocess.Popen, str]:
-    """`broker serve --no-relay` on a free port, once it answers; returns the process and its address."""
-    port = free_port()
+def serve_api(database_url: str, log: Path, port: int | None = None, settings: dict[str, str] | None = None
+              ) -> tuple[subprocess.Popen, str]:
+    """`broker serve --no-relay` on the port (a free one by default), once it answers; returns the process and
+    its address."""
+    port = port or free_port()
     address = f"http://127.0.0.1:{port}"
-    process = start_broker(database_url, log, "serve", "--no-relay", "--no-migrate", "--port", str(port))
+    process = start_broker(database_url, log, "serve", "--no-relay", "--no-migrate", "--port", str(port),
+                           settings=settings)
     deadline = time.monotonic() + 30
     while not answers(address):
         if time.monotonic() > deadline or process.poll() is not None:
@@ -47,7 +50,8 @@ class TwoNodes:
         self.b.autocommit = True
 
     def __enter__(self) -> "TwoNodes":
-        self.api, address = serve_api(self.b_url, self.log)
+        self.api, self.address = serve_api(self.b_url, self.log)
+        address = self.address
         secret = secrets.token_urlsafe(24)
         workload.route(self.a_url, "bench_receiver", address, workload.instance_of(self.b_url), secret)
         workload.route(self.b_url, "bench_sender", "http://127.0.0.1:1", workload.instance_of(self.a_url), secret)
@@ -64,8 +68,15 @@ class TwoNodes:
         self.a.close()
         self.b.close()
 
-    def start_relay(self) -> None:
-        self.relay = start_broker(self.a_url, self.log, "relay")
+    def start_relay(self, settings: dict[str, str] | None = None) -> None:
+        self.relay = start_broker(self.a_url, self.log, "relay", settings=settings)
+
+    def restart(self, settings: dict[str, str]) -> None:
+        """Runs the relay and the API again with these settings, the API on the same address."""
+        stop(self.relay)
+        stop(self.api)
+        self.api, _ = serve_api(self.b_url, self.log, int(self.address.rsplit(":", 1)[1]), settings)
+        self.start_relay(settings)
 
     def rss_mb(self) -> dict[str, float]:
         """Resident memory of the relay and API processes."""

@@ -1,5 +1,6 @@
 """The benchmark's catalog and its load: 1 KB messages sent with broker.send_batch in transactions of 100."""
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,9 @@ ROUTE = "SELECT broker.create_route(%(service)s, %(address)s, %(instance)s, %(se
 BEGIN_CONVERSATIONS = ("SELECT broker.begin_dialog('bench_sender', 'bench_receiver', 'bench')"
                        " FROM generate_series(1, %(conversations)s)")
 SEND_BATCH = "SELECT broker.send_batch(%(handles)s::uuid[], 'bench.record', %(bodies)s::bytea[])"
+# As broker.send_batch from Python sends in a trace: under the setting broker.traceparent.
+SEND_BATCH_TRACED = ("WITH traced AS MATERIALIZED (SELECT set_config('broker.traceparent', %(traceparent)s, true))"
+                     f" {SEND_BATCH} FROM traced")
 
 
 def bodies() -> list[psycopg2.Binary]:
@@ -57,16 +61,22 @@ def begin_conversations(connection, conversations: int) -> list[str]:
     return handles
 
 
-def send_round_robin(connection, handles: Sequence[str], messages: int, payloads: list, first: int = 0) -> None:
+def send_round_robin(connection, handles: Sequence[str], messages: int, payloads: list, first: int = 0,
+                     traced: bool = False) -> None:
     """Sends `messages` messages over the conversations in turn, PER_TRANSACTION to a transaction.
 
-    `first` continues the rotation where an earlier call stopped.
+    `first` continues the rotation where an earlier call stopped.  traced: each transaction's messages in a
+    sampled trace of their own, as an application's request that sends them would give them.
     """
     with connection.cursor() as cursor:
         for start in range(first, first + messages, PER_TRANSACTION):
             count = min(PER_TRANSACTION, first + messages - start)
             batch = [handles[(start + i) % len(handles)] for i in range(count)]
-            cursor.execute(SEND_BATCH, {"handles": batch, "bodies": payloads[:count]})
+            if traced:
+                traceparent = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+                cursor.execute(SEND_BATCH_TRACED, {"handles": batch, "bodies": payloads[:count], "traceparent": traceparent})
+            else:
+                cursor.execute(SEND_BATCH, {"handles": batch, "bodies": payloads[:count]})
             connection.commit()
 
 

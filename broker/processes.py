@@ -24,11 +24,12 @@ def free_port() -> int:
 _HANDED_OUT: set[int] = set()
 
 
-def start_broker(database_url: str, log: Path, *command: str) -> subprocess.Popen:
-    """`broker COMMAND` on the database, its output appended to log."""
+def start_broker(database_url: str, log: Path, *command: str, settings: dict[str, str] | None = None
+                 ) -> subprocess.Popen:
+    """`broker COMMAND` on the database, with these environment variables besides, its output appended to log."""
     with log.open("ab") as out:
         return subprocess.Popen([sys.executable, "-m", "broker.cli", *command], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "BROKER_DATABASE_URL": database_url})
+                                env={**os.environ, **(settings or {}), "BROKER_DATABASE_URL": database_url})
 
 
 def answers(address: str) -> bool:

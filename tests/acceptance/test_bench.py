@@ -13,7 +13,7 @@ import pytest
 AGAINST_PGMQ = {"send_batch to a local service", "send to a local service", "local receive, 1 reader",
                 "local receive, 4 readers"}
 SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", *AGAINST_PGMQ,
-             *{f"{name} vs pgmq" for name in AGAINST_PGMQ}, "cross-node transfer",
+             *{f"{name} vs pgmq" for name in AGAINST_PGMQ}, "cross-node transfer", "cross-node transfer, traced",
              "cross-node latency (p50; p99 in details)", "REST send, then receive + complete",
              "RabbitMQ publish + consume", "Spark ingest", "cross-node at scale (min of the curve)"}
 # pgmq's SQL, when the machine has it (the bench never ships it): measured beside ours, else skipped.
@@ -44,6 +44,7 @@ def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(admi
         if scenario["baseline"]:
             assert scenario["ratio"] > 0, name
     assert scenarios["REST send, then receive + complete"]["details"]["error_count"] == 0
+    assert scenarios["cross-node transfer, traced"]["details"]["spans_exported"] > 0
     assert len(scenarios["cross-node at scale (min of the curve)"]["series"]["scale"]) == 5
     table = (tmp_path / "results.md").read_text()
     assert all(name in table for name in SCENARIOS)
