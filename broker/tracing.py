@@ -150,21 +150,23 @@ def dead_lettered(letters: list) -> None:
 
 def traceparent_places(batch: bytes) -> dict[str, list[int]]:
     """Where each traceparent lies in a batch (PostgreSQL's binary COPY format of broker.transport_message
-    rows, whose last field is the traceparent): the offsets of its text, by traceparent."""
+    rows, whose last field is the traceparent): the offsets of its text, by traceparent.  Nothing is found
+    past a row that is not such a row, nor in a batch cut short: the database refuses those."""
     places: dict[str, list[int]] = {}
-    offset = 19 + _INT32(batch, 15)[0]  # signature, flags, header extension
-    while True:
-        (fields,) = _INT16(batch, offset)
-        if fields < 0:
-            return places
-        offset += 2
-        for _ in range(fields):
-            (length,) = _INT32(batch, offset)
-            offset += 4 + (length if length > 0 else 0)
-        if length == TRACEPARENT_BYTES:  # else NULL: a message without a trace
-            traceparent = batch[offset - length:offset].decode("ascii", "replace")
-            if TRACEPARENT.fullmatch(traceparent):  # else the database refuses the batch
-                places.setdefault(traceparent, []).append(offset - length)
+    try:
+        offset = 19 + _INT32(batch, 15)[0]  # signature, flags, header extension
+        while (fields := _INT16(batch, offset)[0]) > 0:  # -1 ends the rows
+            offset += 2
+            for _ in range(fields):
+                (length,) = _INT32(batch, offset)
+                offset += 4 + (length if length > 0 else 0)
+            if length == TRACEPARENT_BYTES:  # else NULL: a message without a trace
+                traceparent = batch[offset - length:offset].decode("ascii", "replace")
+                if TRACEPARENT.fullmatch(traceparent):  # else the database refuses the batch
+                    places.setdefault(traceparent, []).append(offset - length)
+    except struct.error:
+        return {}
+    return places
 
 
 @contextmanager
