@@ -9,6 +9,10 @@ from pathlib import Path
 import httpx
 
 
+# The ports free_port has handed out.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
     """A port of 127.0.0.1 that nothing listens on, and that this process has not handed out before: the
     system may give a port it just freed again, before the process it was meant for has bound it."""
@@ -19,9 +23,6 @@ def free_port() -> int:
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
-
-
-_HANDED_OUT: set[int] = set()
 
 
 def start_broker(database_url: str, log: Path, *command: str, settings: dict[str, str] | None = None

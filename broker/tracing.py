@@ -111,6 +111,13 @@ def _by_trace(rows: list) -> dict[str, list]:
     return by_trace
 
 
+def _of_messages(rows: list) -> dict[str, Any]:
+    """What a span of these messages (of one trace) says of them."""
+    return {"messaging.batch.message_count": len(rows),
+            "pg_broker.conversation_handles": sorted({str(row.conversation_handle) for row in rows}),
+            "pg_broker.message_sequence_numbers": [row.message_sequence_number for row in rows]}
+
+
 def received(queue: str, messages: list, started_ns: int) -> None:
     """Ends a receive span for each trace among the messages just received (each with a traceparent)."""
     tracer = _tracer()
@@ -120,10 +127,7 @@ def received(queue: str, messages: list, started_ns: int) -> None:
         tracer.start_span(f"receive {queue}", context=_context(traceparent), kind=SpanKind.CONSUMER,
                           start_time=started_ns, attributes={
                               **SYSTEM, "messaging.operation.type": "receive", "messaging.destination.name": queue,
-                              "messaging.batch.message_count": len(of_trace),
-                              "pg_broker.conversation_handles": sorted({str(m.conversation_handle) for m in of_trace}),
-                              "pg_broker.message_sequence_numbers": [m.message_sequence_number for m in of_trace],
-                          }).end()
+                              **_of_messages(of_trace)}).end()
 
 
 def dead_lettered(letters: list) -> None:
@@ -137,13 +141,8 @@ def dead_lettered(letters: list) -> None:
         for traceparent, of_trace in _by_trace(of_queue).items():
             at_ns = int(of_trace[0].dead_lettered_at.timestamp() * 1e9)
             span = tracer.start_span(f"dead-letter {queue}", context=_context(traceparent), start_time=at_ns,
-                                     attributes={
-                                         **SYSTEM, "messaging.destination.name": queue,
-                                         "messaging.batch.message_count": len(of_trace),
-                                         "pg_broker.conversation_handles": sorted({str(d.conversation_handle)
-                                                                                   for d in of_trace}),
-                                         "pg_broker.message_sequence_numbers": [d.message_sequence_number
-                                                                                for d in of_trace]})
+                                     attributes={**SYSTEM, "messaging.destination.name": queue,
+                                                 **_of_messages(of_trace)})
             span.set_status(StatusCode.ERROR, of_trace[0].reason[:1000])
             span.end(end_time=at_ns)
 
