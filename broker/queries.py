@@ -91,9 +91,10 @@ SERVICES = text(
 BROKER_PRIORITIES = text(
     "SELECT name, priority, contract_name, local_service_name, remote_service_name FROM broker.broker_priorities"
     " ORDER BY name")
+# Only the conversations this side began: the service that begins a conversation need not accept its contract.
 CONTRACTS_IN_USE = text(
     "SELECT DISTINCT far_service, contract_name FROM broker.conversation_endpoints"
-    " WHERE NOT far_is_local AND state <> 'closed'")
+    " WHERE is_initiator AND NOT far_is_local AND state <> 'closed'")
 
 
 def broker_priorities(connection: Connection) -> list[Row]:
@@ -115,7 +116,7 @@ def services(connection: Connection, names: list[str] | None = None) -> list[Row
 
 
 def contracts_in_use_by_remote_service(connection: Connection) -> dict[str, set[str]]:
-    """For each remote service with open conversations: the contracts they use."""
+    """For each remote service with open conversations begun here: the contracts they use."""
     in_use: dict[str, set[str]] = {}
     for row in connection.execute(CONTRACTS_IN_USE):
         in_use.setdefault(row.far_service, set()).add(row.contract_name)

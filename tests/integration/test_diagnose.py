@@ -46,6 +46,14 @@ def _diagnose_over_rest(node, *query: str) -> list[dict]:
 
 def test_a_healthy_pair_of_nodes_has_nothing_to_report(nodes):
     a, b = nodes
+    # A conversation begun from a service that accepts no contract: only the target must accept it.
+    with a.engine.begin() as c:
+        broker.create_service(c, "kiosk", "shop_queue", [])
+        handle = broker.begin_dialog(c, "kiosk", "warehouse", "orders")
+        broker.send(c, handle, "order.note", b"from the kiosk")
+    with b.engine.begin() as c:
+        broker.create_route(c, "kiosk", a.address, a.instance, SECRET)
+    assert [m.body for m in b.receive_all("warehouse_queue", 1)] == [b"from the kiosk"]
     for node, peer, service in ((a, b, "warehouse"), (b, a, "shop")):
         code, findings = _diagnose(node)
         assert code == 0, findings
