@@ -372,7 +372,12 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
     for d in report["dead_letters"]:
         add_cells(dead, d["queue_name"], str(d["conversation_id"]), str(d["message_sequence_number"]),
                         d["message_type"], d["reason"], f"{d['dead_lettered_at']:%Y-%m-%d %H:%M:%S}")
-    for table in (queues, conversations, transmission, ingests, dead):
+    lost = Table("conversation", "far service", "found at", "what happened",
+                 title="Messages lost when a database went back to an earlier point", title_justify="left")
+    for m in report["lost_messages"]:
+        add_cells(lost, str(m["conversation_handle"] or m["conversation_id"]), m["far_service"],
+                        f"{m['found_at']:%Y-%m-%d %H:%M:%S}", m["explanation"])
+    for table in (queues, conversations, transmission, ingests, dead, lost):
         if table.row_count:
             console.print(table)
         else:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from sqlalchemy import Connection
 
 from broker import queries, relay
+from broker.status import lost_messages_explained
 from broker.transport import describe, signing, wire
 
 # A destination that has refused this many attempts in a row keeps refusing: an error, not a passing failure.
@@ -24,6 +25,17 @@ WIRE_ADVICE = ("upgrade one of the two nodes so that both speak the same wire ve
                "wire_version in /healthz)")
 CLOCK_ADVICE = "keep the clocks in sync (NTP), or raise BROKER_MAX_CLOCK_SKEW_S on both nodes"
 RELAY_ADVICE = ("start this node ('broker serve'), or 'broker relay' beside a node that runs with --no-relay")
+# What a database that went back to an earlier point lost (broker.lost_messages): the level and what to do, by outcome.
+LOST_MESSAGES_ADVICE = {
+    "missing": ("error", "start the far node if it is down: it sends them again if its resend window still keeps "
+                         "them, and otherwise ends the conversation with broker.error -4"),
+    "lost": ("error", "reconcile with the far side's application (the numbers are above), then end the conversation "
+                      "(broker.end_conversation): the finding goes when the conversation is forgotten"),
+    "renumbered": ("warning", "the applications on both sides got a broker.renumbered message: reconcile the "
+                              "numbers it names, which the far side may hold twice"),
+    "resent": ("ok", ""),
+}
+LOST_MESSAGES_SHOWN = 100
 # What to do about a destination that does not take our batches, by the words of its last failure: the clock
 # first, as a refusal for any cause may name it.
 REFUSAL_ADVICE = [
@@ -95,6 +107,11 @@ def _local_findings(connection: Connection, schema_head: str, max_wait_s: float)
             f"transmission to {destination.address}",
             f"{destination.messages} messages waiting, up to {destination.attempts} attempts: {destination.status}",
             refusals[destination.address]))
+    for lost in queries.as_dicts(queries.lost_messages(connection, LOST_MESSAGES_SHOWN)):
+        level, advice = LOST_MESSAGES_ADVICE[lost["outcome"]]
+        findings.append(Finding(level, f"conversation {lost['conversation_handle'] or lost['conversation_id']}",
+                                f"with {lost['far_service'] or 'a far node'} ({lost['far_broker_instance']}): "
+                                f"{lost_messages_explained(lost)}", advice))
     for backlog in queries.routed_backlogs(connection, max_wait_s, relay.LANES):
         if not backlog.relayed:
             findings.append(Finding("error", f"relay to {backlog.address}",

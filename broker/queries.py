@@ -345,6 +345,19 @@ def latest_dead_letters(connection: Connection, limit: int) -> list[Row]:
     return connection.execute(LATEST_DEAD_LETTERS, {"limit": limit}).all()
 
 
+LOST_MESSAGES = text("""
+    SELECT l.conversation_id, e.conversation_handle, coalesce(e.far_service, '') AS far_service,
+           l.far_broker_instance, l.direction, l.first_number, l.last_number, l.outcome, l.found_at
+    FROM broker.lost_messages l
+    LEFT JOIN broker.endpoints e ON e.conversation_id = l.conversation_id AND e.is_initiator = l.is_initiator
+    ORDER BY l.found_at DESC, l.conversation_id LIMIT :limit""")
+
+
+def lost_messages(connection: Connection, limit: int) -> list[Row]:
+    """What a database that went back to an earlier point lost, as this node found it, the latest first."""
+    return connection.execute(LOST_MESSAGES, {"limit": limit}).all()
+
+
 LAST_DEAD_LETTER = text("SELECT coalesce(max(dead_letter_id), 0) FROM broker.dead_letters")
 TRACED_DEAD_LETTERS_AFTER = text("""
     SELECT dead_letter_id, queue_name, conversation_handle, message_sequence_number, reason, dead_lettered_at,

@@ -46,6 +46,7 @@ IDLE_WAKE_S = 1.0
 DESTINATIONS_REFRESH_S = 1.0
 # Closes and acknowledgements forget old closed endpoints as they happen; on a
 # quiet node the relay does it now and then, so none outstays its retention.
+# Acknowledged messages past the resend window are forgotten at the same pace.
 FORGET_EVERY_S = 60.0
 
 NEXT_BATCH = ("COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s,"
@@ -57,6 +58,7 @@ COPY_SENT_BATCH = "COPY pg_temp.sent_transport_batch FROM STDIN (FORMAT binary)"
 APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb))")
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, :last, :reason, :retry_after)")
 FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
+FORGET_ACKNOWLEDGED_MESSAGES = text("SELECT broker.forget_acknowledged_messages()")
 # A message that a destination refuses as too large on its own is tried again this often (its limit may be raised).
 OVERSIZED_RETRY_S = 60.0
 
@@ -207,6 +209,7 @@ class Lane:
         connection = self.connection
         if self.index == 0 and time.monotonic() >= self.forget_at:
             connection.execute(FORGET_CLOSED_ENDPOINTS)
+            connection.execute(FORGET_ACKNOWLEDGED_MESSAGES)
             connection.commit()
             self.forget_at = time.monotonic() + FORGET_EVERY_S
         if time.monotonic() >= self.destinations_at:

@@ -10,14 +10,36 @@ from broker import queries
 
 def node_status(connection: Connection, dead_letters: int = 20) -> dict[str, list[dict[str, Any]]]:
     """Queues, conversations by service and state, the transmission queue by destination,
-    ingests, and the latest dead letters."""
+    ingests, the latest dead letters, and what a database that went back lost."""
     return {
         "queues": queries.as_dicts(queries.queue_statuses(connection)),
         "conversations": queries.as_dicts(queries.conversation_counts(connection)),
         "transmission_queue": queries.as_dicts(queries.transmission_by_destination(connection)),
         "ingests": queries.as_dicts(queries.ingests(connection)),
         "dead_letters": queries.as_dicts(queries.latest_dead_letters(connection, dead_letters)),
+        "lost_messages": [dict(row, explanation=lost_messages_explained(row))
+                          for row in queries.as_dicts(queries.lost_messages(connection, dead_letters))],
     }
+
+
+def lost_messages_explained(lost: dict[str, Any]) -> str:
+    """A row of broker.lost_messages in words."""
+    numbers = f"messages {lost['first_number']} to {lost['last_number']}"
+    if lost["direction"] == "received":
+        return {"missing": f"{numbers} from the far node are missing here: this database went back to an earlier "
+                           "point; the far node is asked to send them again",
+                "resent": f"{numbers} from the far node went missing here and were sent again",
+                "lost": f"{numbers} from the far node went missing here and the far node no longer had them: "
+                        "the conversation ended with broker.error -4",
+                "renumbered": f"the far node's database went back: it had sent {numbers} before, and numbers its "
+                              "messages past them (see the broker.renumbered message)"}[lost["outcome"]]
+    return {"resent": f"the far node's database went back and lost {numbers} from here: sent again from the "
+                      "resend window",
+            "lost": f"the far node's database went back and lost {numbers} from here, which the resend window no "
+                    "longer held: the conversation ended with broker.error -4",
+            "renumbered": f"this database went back: the far node already held {numbers} from before, and the "
+                          "messages after them were numbered past them (see the broker.renumbered message)",
+            "missing": numbers}[lost["outcome"]]
 
 
 def conversation_life(connection: Connection, handle: UUID) -> dict[str, Any] | None:

@@ -23,7 +23,9 @@ CREATE SCHEMA broker;
 
 -- The local node: one row.  Closed conversation endpoints are forgotten after
 -- closed_endpoint_retention; the tombstones of remote ones after
--- tombstone_retention (see 06_hygiene.sql).
+-- tombstone_retention (see 06_hygiene.sql).  Messages another node
+-- acknowledged are kept for resend_window, to send again to a peer whose
+-- database went back to an earlier point (see broker.acknowledged_messages).
 CREATE TABLE broker.node (
     singleton                  boolean PRIMARY KEY DEFAULT true CHECK (singleton),
     broker_instance            uuid NOT NULL DEFAULT gen_random_uuid(),
@@ -31,7 +33,8 @@ CREATE TABLE broker.node (
     closed_endpoint_retention  interval NOT NULL DEFAULT '30 minutes'
                                    CHECK (closed_endpoint_retention >= interval '0'),
     tombstone_retention        interval NOT NULL DEFAULT '90 days'
-                                   CHECK (tombstone_retention >= interval '1 day')
+                                   CHECK (tombstone_retention >= interval '1 day'),
+    resend_window              interval NOT NULL DEFAULT '24 hours' CHECK (resend_window >= interval '0')
 );
 INSERT INTO broker.node DEFAULT VALUES;
 
@@ -43,7 +46,8 @@ CREATE TABLE broker.message_types (
 INSERT INTO broker.message_types (name, validation) VALUES
     ('broker.end_dialog', 'empty'),
     ('broker.error', 'json'),
-    ('broker.dialog_timer', 'empty');
+    ('broker.dialog_timer', 'empty'),
+    ('broker.renumbered', 'json');  -- see broker._number_past
 
 CREATE TABLE broker.contracts (
     contract_id  serial PRIMARY KEY,

@@ -335,6 +335,11 @@ BEGIN
         new_state := CASE WHEN receiver.state IN ('conversing', 'disconnected_inbound') THEN 'error'
                           WHEN receiver.state = 'disconnected_outbound' THEN 'closed'
                           ELSE receiver.state END;
+    ELSIF mt.name = 'broker.renumbered' THEN  -- the far side went back and numbered past what is here
+        PERFORM broker._record_lost_messages(receiver, 'received',
+                                             (convert_from(body, 'UTF8')::jsonb ->> 'first_number')::bigint,
+                                             (convert_from(body, 'UTF8')::jsonb ->> 'last_number')::bigint,
+                                             'renumbered');
     END IF;
     UPDATE broker.endpoints
     SET receive_sequence = sequence_number,

@@ -57,6 +57,66 @@ CREATE TABLE broker.transmission_failures (
     PRIMARY KEY (address, first_handle, last_handle)
 );
 
+-- How far each conversation side with a remote far side has got in sending:
+-- the highest number it put in a batch before the latest batch
+-- (previously_transmitted, NULL when unknown) and since (transmitted), and the
+-- highest number the far node acknowledged.  The relay commits a batch's
+-- numbers here before the batch leaves (broker.transport_batch), so the far
+-- node never holds a number above transmitted_sequence, and never held one
+-- above previously_transmitted before the batch came: an answer that says
+-- otherwise shows this database went back to an earlier point (a restore, a
+-- failover to a standby that lagged).  One that acknowledges less than it did
+-- before shows the far node's did.  See broker.apply_transport_results.
+CREATE TABLE broker.transmission_progress (
+    conversation_handle     uuid PRIMARY KEY,
+    previously_transmitted  bigint NOT NULL DEFAULT 0,
+    transmitted_sequence    bigint NOT NULL,
+    acknowledged_sequence   bigint NOT NULL DEFAULT 0
+) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000);
+
+-- What a far node acknowledged, kept for broker.node.resend_window: a peer
+-- whose database went back to an earlier point lost messages it had
+-- acknowledged, and gets exactly those again, in order (see
+-- broker._send_again).  Rows older than the window are forgotten by
+-- broker.forget_acknowledged_messages, which a running relay calls every
+-- minute.
+CREATE TABLE broker.acknowledged_messages (
+    conversation_handle      uuid NOT NULL,
+    message_sequence_number  bigint NOT NULL,
+    message_type_id          integer NOT NULL,
+    body                     bytea,
+    enqueued_at              timestamptz NOT NULL,
+    traceparent              text,
+    acknowledged_at          timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (conversation_handle, message_sequence_number)
+) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
+-- Rows come in the order they are acknowledged: a block range index finds the
+-- old ones for next to nothing per insert.
+CREATE INDEX acknowledged_messages_age ON broker.acknowledged_messages USING brin (acknowledged_at);
+
+-- Numbers of a conversation that one of its sides lost because its database
+-- went back to an earlier point, as this side found them: messages from the
+-- far node missing here (missing, until the far node sends them again:
+-- resent; or lost), messages this side had sent that the far node lost
+-- (resent from the resend window, or lost), or numbers this side used again
+-- that the far node already held (renumbered: this side's messages from
+-- first_number on were numbered past them).  A lost conversation ends with
+-- broker.error code -4 on both sides.  Rows go with their conversation when
+-- it is forgotten.  broker diagnose reports the missing and the lost.
+CREATE TABLE broker.lost_messages (
+    conversation_id      uuid NOT NULL,
+    is_initiator         boolean NOT NULL,  -- this side's
+    far_broker_instance  uuid NOT NULL,
+    direction            text NOT NULL CHECK (direction IN ('received', 'sent')),
+    first_number         bigint NOT NULL,
+    last_number          bigint NOT NULL,
+    outcome              text NOT NULL CHECK (outcome IN ('missing', 'resent', 'renumbered', 'lost')),
+    found_at             timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (conversation_id, is_initiator, direction, first_number)
+);
+CREATE INDEX lost_messages_missing ON broker.lost_messages (conversation_id) WHERE outcome = 'missing';
+
 -- A message's attempts and status are those of the latest failure that covers
 -- it, or else its own (the far node held its conversation back).
 CREATE VIEW broker.transmission_queue_status AS
@@ -67,12 +127,17 @@ SELECT t.conversation_handle, t.conversation_id, t.to_service, t.message_sequenc
        CASE WHEN t.attempts = 0 AND t.next_attempt_at > now()
                  THEN format('held until its delivery time, %s',
                              to_char(t.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ'))
-            WHEN f.reason IS NULL THEN t.transmission_status
-            ELSE format('%s (attempt %s, next at %s)', f.reason, f.attempts,
-                        to_char(f.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ')) END AS transmission_status,
+            WHEN f.reason IS NOT NULL
+                 THEN format('%s (attempt %s, next at %s)', f.reason, f.attempts,
+                             to_char(f.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ'))
+            WHEN t.transmission_status = 'waiting for its first transmission'
+                 AND t.message_sequence_number <= p.transmitted_sequence
+                 THEN 'sent; no acknowledgement yet'
+            ELSE t.transmission_status END AS transmission_status,
        t.traceparent
 FROM broker.transmission_queue t
 JOIN broker.message_types mt USING (message_type_id)
+LEFT JOIN broker.transmission_progress p USING (conversation_handle)
 LEFT JOIN LATERAL (SELECT f.* FROM broker.routes r
                    JOIN broker.transmission_failures f ON f.address = r.address
                    WHERE r.service_name = t.to_service
@@ -253,11 +318,20 @@ END $$;
 
 -- One conversation of a batch, in a subtransaction of its own so that a bad
 -- conversation never spoils the rest.  The result acknowledges the highest
--- number held without a gap, and says why anything was refused.  A
--- conversation forgotten here is acknowledged, not opened again.  A refusal
--- ends this side only when it is the sender's conversation:
--- broker.accept_transport_batch sets the others aside first, and one that
--- appears meanwhile is not the sender's to end either.
+-- number held without a gap, says which number was held before the batch, and
+-- why anything was refused or waits.  A conversation forgotten here is
+-- acknowledged, not opened again.  A refusal ends this side only when it is
+-- the sender's conversation: broker.accept_transport_batch sets the others
+-- aside first, and one that appears meanwhile is not the sender's to end
+-- either.
+--
+-- Messages that begin past a gap are not taken: the numbers before them are
+-- missing here (this database went back to an earlier point), so they are
+-- recorded in broker.lost_messages and the sender is told to wait, and to send
+-- them again.  So a conversation unknown here is opened only from its first
+-- number, or by a broker.error that ends it across the numbers its sender
+-- dropped.  A conversation that an application transaction holds is not waited
+-- for: the answer says it waits.
 CREATE OR REPLACE FUNCTION broker._accept_conversation(from_instance uuid, header jsonb) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -266,6 +340,10 @@ DECLARE
     e broker.endpoints;
     known boolean;
     tombstone broker.forgotten_conversations;
+    first_sent bigint := (SELECT min((m ->> 'sequence_number')::bigint) FROM jsonb_array_elements(header -> 'messages') m);
+    ends_it boolean := jsonb_path_exists(header -> 'messages', '$[*] ? (@.message_type == "broker.error")');
+    held bigint;
+    acknowledged bigint;
     result jsonb;
     failed_sqlstate text;
     failure text;
@@ -276,7 +354,7 @@ BEGIN
     BEGIN
         SELECT * INTO e FROM broker.endpoints
         WHERE conversation_id = conversation AND is_initiator = NOT sender_is_initiator
-        FOR UPDATE;
+        FOR UPDATE NOWAIT;
         known := FOUND;
         IF NOT known THEN
             SELECT * INTO tombstone FROM broker.forgotten_conversations f
@@ -285,17 +363,41 @@ BEGIN
             IF FOUND THEN  -- closed and forgotten here: take nothing, and let the sender stop resending
                 RETURN result || jsonb_build_object('acknowledged', greatest(tombstone.receive_sequence,
                     (SELECT max((m ->> 'sequence_number')::bigint)
-                     FROM jsonb_array_elements(header -> 'messages') m)));
+                     FROM jsonb_array_elements(header -> 'messages') m)), 'held', tombstone.receive_sequence);
             END IF;
         END IF;
-        IF NOT known AND sender_is_initiator THEN
+        IF NOT known AND sender_is_initiator AND first_sent > 1 AND NOT ends_it
+           AND EXISTS (SELECT 1 FROM broker.routes r
+                       WHERE r.service_name = header ->> 'from_service' AND r.broker_instance = from_instance) THEN
+            e.conversation_id := conversation;
+            e.is_initiator := false;
+            e.far_broker_instance := from_instance;
+            e.receive_sequence := 0;
+        ELSIF NOT known AND sender_is_initiator THEN
             e := broker._create_target_endpoint(from_instance, header);
         ELSIF NOT known OR e.far_is_local OR e.far_broker_instance IS DISTINCT FROM from_instance THEN
             PERFORM broker._raise('BR005', format('unknown conversation %s', conversation));
         END IF;
-        RETURN result || jsonb_build_object('acknowledged', broker._accept_messages(e, header -> 'messages'));
+        held := e.receive_sequence;
+        IF first_sent > held + 1 AND NOT ends_it THEN
+            PERFORM broker._record_lost_messages(e, 'received', held + 1, first_sent - 1, 'missing');
+            RETURN result || jsonb_build_object('acknowledged', held, 'held', held, 'waiting', format(
+                'messages %s to %s of the conversation are missing here (its database went back to an earlier '
+                'point?): send them again', held + 1, first_sent - 1));
+        END IF;
+        acknowledged := broker._accept_messages(e, header -> 'messages');
+        UPDATE broker.lost_messages l
+        SET outcome = CASE WHEN ends_it THEN 'lost' ELSE 'resent' END
+        WHERE l.conversation_id = conversation AND l.is_initiator = NOT sender_is_initiator
+          AND l.direction = 'received' AND l.outcome = 'missing' AND l.last_number <= acknowledged;
+        RETURN result || jsonb_build_object('acknowledged', acknowledged, 'held', held);
     EXCEPTION WHEN SQLSTATE 'BR030' THEN
         RETURN result || jsonb_build_object('acknowledged', coalesce(e.receive_sequence, 0), 'waiting', SQLERRM);
+    WHEN lock_not_available THEN
+        RETURN result || jsonb_build_object(
+            'acknowledged', (SELECT receive_sequence FROM broker.endpoints
+                             WHERE conversation_id = conversation AND is_initiator = NOT sender_is_initiator),
+            'waiting', 'an application transaction holds the conversation here');
     WHEN OTHERS THEN
         failed_sqlstate := SQLSTATE;
         failure := SQLERRM;
@@ -318,7 +420,9 @@ END $$;
 -- Locks the endpoints of the batch's conversations that can take it in bulk,
 -- in the order of their conversation ids: one probe of the unique index each,
 -- whatever the plan (a join here could be planned to rescan the batch once per
--- endpoint).
+-- endpoint).  One that an application transaction holds is passed over, not
+-- waited for: the node's own work never takes part in a deadlock with an
+-- application (broker._accept_conversation answers that it waits).
 CREATE FUNCTION broker._lock_batch_conversations(from_instance uuid) RETURNS broker._batch_conversation[]
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -332,14 +436,14 @@ BEGIN
                     AND NOT e.far_is_local AND e.far_broker_instance = from_instance
                     AND e.state IN ('conversing', 'disconnected_inbound')
                     AND (SELECT q.is_enabled FROM broker.queues q WHERE q.queue_id = e.queue_id)
-                  FOR UPDATE) e);
+                  FOR UPDATE SKIP LOCKED) e);
 END $$;
 
 -- Opens the batch's new conversations for services here that take their
--- contract, when all their messages are plain, and only from services that
--- this node routes to the sending node (see broker._create_target_endpoint,
--- which refuses the rest): the target endpoints, each in a new group, created
--- together.
+-- contract, when all their messages are plain and the first is number 1, and
+-- only from services that this node routes to the sending node (see
+-- broker._create_target_endpoint, which refuses the rest): the target
+-- endpoints, each in a new group, created together.
 CREATE OR REPLACE FUNCTION broker._open_batch_conversations(from_instance uuid, limit_bytes integer) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -349,7 +453,8 @@ BEGIN
         FROM pg_temp.incoming_transport_batch b
         WHERE b.sender_is_initiator
         GROUP BY b.conversation_id
-        HAVING NOT EXISTS (SELECT 1 FROM broker.endpoints e
+        HAVING min(b.sequence_number) = 1
+           AND NOT EXISTS (SELECT 1 FROM broker.endpoints e
                            WHERE e.conversation_id = b.conversation_id AND NOT e.is_initiator)
            AND NOT EXISTS (SELECT 1 FROM broker.forgotten_conversations f
                            WHERE f.conversation_id = b.conversation_id AND NOT f.is_initiator)
@@ -394,7 +499,9 @@ END $$;
 -- caller takes the others (refused, carrying system messages, ...) one by one.
 -- Conversations with a broker.error among their new messages are left to the
 -- careful way, which accepts an error across the numbers its sender dropped
--- (see broker._accept_messages).
+-- (see broker._accept_messages), and so are those whose new messages begin
+-- past a gap, which it records.  Numbers recorded missing that arrive are
+-- recorded resent (broker.lost_messages).
 CREATE OR REPLACE FUNCTION broker._accept_in_bulk(from_instance uuid) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -402,7 +509,7 @@ DECLARE
     taken broker._batch_conversation[];
     results jsonb;
     queues integer[];
-    with_error uuid[];
+    careful uuid[];
 BEGIN
     taken := broker._lock_batch_conversations(from_instance);
     IF EXISTS (SELECT b.conversation_id FROM pg_temp.incoming_transport_batch b WHERE b.sender_is_initiator
@@ -415,12 +522,16 @@ BEGIN
     END IF;
     -- Conversations with a broker.error among their new messages go the careful
     -- way, even when the error lies beyond a gap: it may skip the numbers its
-    -- sender dropped (see broker._transmit_error).
-    SELECT coalesce(array_agg(DISTINCT t.conversation_handle), '{}') INTO with_error
-    FROM unnest(taken) t
-    JOIN pg_temp.incoming_transport_batch b
-      ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
-    WHERE b.sequence_number > t.receive_sequence AND b.message_type = 'broker.error';
+    -- sender dropped (see broker._transmit_error).  So do those whose new
+    -- messages begin past a gap.
+    SELECT coalesce(array_agg(c.conversation_handle), '{}') INTO careful
+    FROM (SELECT t.conversation_handle
+          FROM unnest(taken) t
+          JOIN pg_temp.incoming_transport_batch b
+            ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
+          WHERE b.sequence_number > t.receive_sequence
+          GROUP BY t.conversation_handle, t.receive_sequence
+          HAVING bool_or(b.message_type = 'broker.error') OR min(b.sequence_number) > t.receive_sequence + 1) c;
 
     -- Each conversation's run of numbers after receive_sequence without a gap;
     -- a conversation is taken here only when all of its run is plain.
@@ -446,7 +557,7 @@ BEGIN
         WHERE r.sequence_number = r.receive_sequence + r.k
     ), accepted AS (
         SELECT j.*, row_number() OVER (ORDER BY j.conversation_handle, j.sequence_number) AS place
-        FROM judged j WHERE j.plain AND j.conversation_handle <> ALL (with_error)
+        FROM judged j WHERE j.plain AND j.conversation_handle <> ALL (careful)
     ), stored AS (
         INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
                                            conversation_id, message_sequence_number, message_type_id, body, priority,
@@ -461,17 +572,22 @@ BEGIN
         FROM (SELECT a.conversation_handle, max(a.sequence_number) AS sequence_number
               FROM accepted a GROUP BY a.conversation_handle) last
         WHERE e.conversation_handle = last.conversation_handle
-        RETURNING e.conversation_handle, e.receive_sequence
+        RETURNING e.conversation_handle, e.conversation_id, e.is_initiator, e.receive_sequence
+    ), resent AS (
+        UPDATE broker.lost_messages l SET outcome = 'resent'
+        FROM moved_on m
+        WHERE l.outcome = 'missing' AND l.conversation_id = m.conversation_id AND l.is_initiator = m.is_initiator
+          AND l.direction = 'received' AND l.last_number <= m.receive_sequence
     )
     SELECT coalesce(jsonb_agg(jsonb_build_object(
                'conversation_id', t.conversation_id, 'sender_is_initiator', NOT t.is_initiator,
-               'acknowledged', coalesce(m.receive_sequence, t.receive_sequence))), '[]'),
+               'acknowledged', coalesce(m.receive_sequence, t.receive_sequence), 'held', t.receive_sequence)), '[]'),
            (SELECT array_agg(DISTINCT queue_id) FROM stored)
     INTO results, queues
     FROM unnest(taken) t
     LEFT JOIN moved_on m ON m.conversation_handle = t.conversation_handle
     WHERE NOT EXISTS (SELECT 1 FROM judged j WHERE j.conversation_handle = t.conversation_handle AND NOT j.plain)
-      AND t.conversation_handle <> ALL (with_error);
+      AND t.conversation_handle <> ALL (careful);
     PERFORM pg_notify('broker_queue', q::text) FROM unnest(queues) q;
     RETURN results;
 END $$;
@@ -573,60 +689,74 @@ COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
 -- message always goes, whatever its size, so that a message at the size limit
 -- still travels alone.  A message's share is its body and the texts that
 -- travel with it (its traceparent among them), plus 80 bytes for the
--- fixed-size fields and lengths of its row in the binary COPY format.
-CREATE FUNCTION broker.transport_batch(destination text, max_messages integer, max_bytes bigint,
-                                       first_handle uuid, last_handle uuid)
+-- fixed-size fields and lengths of its row in the binary COPY format.  The
+-- numbers taken are recorded in broker.transmission_progress, in the relay's
+-- transaction that commits before the batch leaves.
+CREATE OR REPLACE FUNCTION broker.transport_batch(destination text, max_messages integer, max_bytes bigint,
+                                                  first_handle uuid, last_handle uuid)
 RETURNS SETOF broker.transport_message
-LANGUAGE plpgsql STABLE AS $$
+LANGUAGE plpgsql AS $$
 DECLARE  -- conversations held back after a failure: seldom any, so each message is looked at only then
     holds_back boolean := EXISTS (SELECT 1 FROM broker.transmission_failures f
                                   WHERE f.address = destination AND f.next_attempt_at > now());
 BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made again for each
     RETURN QUERY
-    SELECT sized.conversation_id, sized.is_initiator, sized.from_service, sized.to_service, sized.contract,
-           sized.expires_at, sized.sequence_number, sized.message_type, sized.body, sized.traceparent
-    FROM (SELECT e.conversation_id, e.is_initiator, s.name AS from_service, e.far_service AS to_service,
-                 c.name AS contract, e.expires_at, due.message_sequence_number AS sequence_number,
-                 mt.name AS message_type, due.body, due.traceparent,
-                 sum(80 + coalesce(octet_length(due.body), 0) + octet_length(s.name) + octet_length(e.far_service)
-                     + octet_length(c.name) + octet_length(mt.name) + coalesce(octet_length(due.traceparent), 0))
-                     OVER (ORDER BY due.priority DESC, due.conversation_handle, due.message_sequence_number)
-                     AS bytes_so_far,
-                 row_number() OVER (ORDER BY due.priority DESC, due.conversation_handle, due.message_sequence_number)
-                     AS place
-          FROM (SELECT t.* FROM broker.routes r, generate_series(10, 1, -1) AS p(priority),
-                     LATERAL (SELECT t.* FROM broker.transmission_queue t
-                              WHERE t.to_service = r.service_name AND t.priority = p.priority
-                                AND t.conversation_handle BETWEEN first_handle AND last_handle
-                                AND t.next_attempt_at <= now()
-                                AND (NOT holds_back
-                                     OR NOT EXISTS (SELECT 1 FROM broker.transmission_failures f
-                                                    WHERE f.address = destination AND f.next_attempt_at > now()
-                                                      AND t.conversation_handle
-                                                          BETWEEN f.first_handle AND f.last_handle))
-                              ORDER BY t.conversation_handle, t.message_sequence_number
-                              LIMIT max_messages) t
-                WHERE r.address = destination
-                ORDER BY t.priority DESC, t.conversation_handle, t.message_sequence_number
-                LIMIT max_messages) due
-          JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle AND NOT e.far_is_local
-          JOIN broker.services s ON s.service_id = e.service_id
-          JOIN broker.contracts c ON c.contract_id = e.contract_id
-          JOIN broker.message_types mt ON mt.message_type_id = due.message_type_id) sized
-    WHERE sized.place = 1 OR sized.bytes_so_far <= max_bytes
-    ORDER BY sized.place;
+    WITH batch AS (
+        SELECT sized.*
+        FROM (SELECT due.conversation_handle, e.conversation_id, e.is_initiator, s.name AS from_service,
+                     e.far_service AS to_service, c.name AS contract, e.expires_at,
+                     due.message_sequence_number AS sequence_number, mt.name AS message_type, due.body,
+                     due.traceparent,
+                     sum(80 + coalesce(octet_length(due.body), 0) + octet_length(s.name)
+                         + octet_length(e.far_service) + octet_length(c.name) + octet_length(mt.name)
+                         + coalesce(octet_length(due.traceparent), 0))
+                         OVER (ORDER BY due.priority DESC, due.conversation_handle, due.message_sequence_number)
+                         AS bytes_so_far,
+                     row_number() OVER (ORDER BY due.priority DESC, due.conversation_handle,
+                                                 due.message_sequence_number) AS place
+              FROM (SELECT t.* FROM broker.routes r, generate_series(10, 1, -1) AS p(priority),
+                         LATERAL (SELECT t.* FROM broker.transmission_queue t
+                                  WHERE t.to_service = r.service_name AND t.priority = p.priority
+                                    AND t.conversation_handle BETWEEN first_handle AND last_handle
+                                    AND t.next_attempt_at <= now()
+                                    AND (NOT holds_back
+                                         OR NOT EXISTS (SELECT 1 FROM broker.transmission_failures f
+                                                        WHERE f.address = destination AND f.next_attempt_at > now()
+                                                          AND t.conversation_handle
+                                                              BETWEEN f.first_handle AND f.last_handle))
+                                  ORDER BY t.conversation_handle, t.message_sequence_number
+                                  LIMIT max_messages) t
+                    WHERE r.address = destination
+                    ORDER BY t.priority DESC, t.conversation_handle, t.message_sequence_number
+                    LIMIT max_messages) due
+              JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle AND NOT e.far_is_local
+              JOIN broker.services s ON s.service_id = e.service_id
+              JOIN broker.contracts c ON c.contract_id = e.contract_id
+              JOIN broker.message_types mt ON mt.message_type_id = due.message_type_id) sized
+        WHERE sized.place = 1 OR sized.bytes_so_far <= max_bytes
+    ), recorded AS (
+        INSERT INTO broker.transmission_progress AS p (conversation_handle, transmitted_sequence)
+        SELECT b.conversation_handle, max(b.sequence_number) FROM batch b GROUP BY b.conversation_handle
+        ON CONFLICT (conversation_handle) DO UPDATE
+        SET previously_transmitted = p.transmitted_sequence,
+            transmitted_sequence = greatest(p.transmitted_sequence, excluded.transmitted_sequence)
+    )
+    SELECT b.conversation_id, b.is_initiator, b.from_service, b.to_service, b.contract, b.expires_at,
+           b.sequence_number, b.message_type, b.body, b.traceparent
+    FROM batch b
+    ORDER BY b.place;
 END $$;
 COMMENT ON FUNCTION broker.transport_batch(text, integer, bigint, uuid, uuid) IS
     'The next batch for a destination: the lowest waiting numbers of its conversations between the handles, up to a count and a size.';
 
 -- Applies a destination node's answer in one transaction: deletes what it
--- acknowledged, ends what it refused.  Returns how many messages were
--- delivered.  Every acknowledgement is applied by one DELETE and one UPDATE;
--- refusals and hold-backs are rare and handled one by one.  The transaction
--- that applies an answer commits without waiting for its WAL to reach the
--- disk: if a crash loses it, the messages it deleted are sent again and the far
--- node acknowledges them as duplicates (guarantee 3), so the relay need not
--- wait for a flush in every cycle.
+-- acknowledged (keeping it for broker.node.resend_window), ends what it
+-- refused.  Returns how many messages were delivered.  Every acknowledgement
+-- is applied by one DELETE and one UPDATE; refusals and hold-backs are rare and
+-- handled one by one.  The transaction that applies an answer commits without
+-- waiting for its WAL to reach the disk: if a crash loses it, the messages it
+-- deleted are sent again and the far node acknowledges them as duplicates
+-- (guarantee 3), so the relay need not wait for a flush in every cycle.
 --
 -- The answer is held to the batch it answers: the relay puts the batch it sent
 -- into pg_temp.sent_transport_batch (rows of broker.transport_message, by COPY
@@ -635,6 +765,15 @@ COMMENT ON FUNCTION broker.transport_batch(text, integer, bigint, uuid, uuid) IS
 -- conversation.  So no answer, however it is signed, acknowledges, refuses or
 -- holds back a message it was not sent.  A result without a number
 -- acknowledges nothing.
+--
+-- A database that went back to an earlier point shows in the answer (see
+-- broker.transmission_progress): a far node that acknowledges less than it did
+-- before lost what it had acknowledged, and gets it again
+-- (broker._send_again); a far node that held, before the batch came, numbers
+-- this side had not transmitted yet (the answer's held), or that acknowledges
+-- more than this side ever numbered, holds what this side numbered before its
+-- database went back, and this side's messages are numbered past them
+-- (broker._number_past).
 CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -642,9 +781,12 @@ DECLARE
     services text[];
     priorities smallint[];
     acknowledged bigint[];
+    reported bigint[];
+    held bigint[];
     refusals text[];
     holds text[];
     result record;
+    sent_again uuid[] := '{}';
     delivered bigint;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
@@ -654,24 +796,44 @@ BEGIN
         GROUP BY b.conversation_id, b.sender_is_initiator
     )
     SELECT array_agg(e.conversation_handle), array_agg(e.far_service), array_agg(e.priority),
-           array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)),
+           array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)), array_agg(r.acknowledged), array_agg(r.held),
            array_agg(CASE WHEN r.refused IS NOT NULL
                           THEN coalesce(r.refused ->> 'reason', 'no reason given') END),
            array_agg(r.waiting)
-    INTO handles, services, priorities, acknowledged, refusals, holds
+    INTO handles, services, priorities, acknowledged, reported, held, refusals, holds
     FROM jsonb_to_recordset(answer -> 'results')
-         AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, refused jsonb, waiting text)
+         AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, held bigint, refused jsonb,
+              waiting text)
     JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
     JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
                            AND NOT e.far_is_local;
 
+    FOR result IN
+        SELECT a.conversation_handle, a.reported, a.held, p.previously_transmitted, p.acknowledged_sequence,
+               e.send_sequence
+        FROM unnest(handles, reported, held) AS a(conversation_handle, reported, held)
+        JOIN broker.transmission_progress p ON p.conversation_handle = a.conversation_handle
+        JOIN broker.endpoints e ON e.conversation_handle = a.conversation_handle
+        WHERE a.reported < p.acknowledged_sequence OR a.held > p.previously_transmitted
+           OR a.reported > e.send_sequence
+    LOOP
+        IF result.reported < result.acknowledged_sequence THEN
+            IF broker._send_again(result.conversation_handle, result.reported, result.acknowledged_sequence) THEN
+                sent_again := sent_again || result.conversation_handle;
+            END IF;
+        ELSE
+            PERFORM broker._number_past(result.conversation_handle,
+                                        greatest(result.reported, result.held), result.previously_transmitted);
+        END IF;
+    END LOOP;
+
     -- The acknowledged rows are found conversation by conversation through the
     -- primary key (OFFSET 0 keeps the planner from making the lateral subquery
-    -- a join), then deleted where they lie.  As a join, the plan could scan the
-    -- whole transmission queue for every answer: a long queue (a peer down for
-    -- days) would make every batch slower.  A row that another transaction
-    -- changed meanwhile is not deleted: it is sent again, and acknowledged as a
-    -- duplicate.
+    -- a join), then deleted where they lie, and kept for the resend window.  As
+    -- a join, the plan could scan the whole transmission queue for every
+    -- answer: a long queue (a peer down for days) would make every batch
+    -- slower.  A row that another transaction changed meanwhile is not
+    -- deleted: it is sent again, and acknowledged as a duplicate.
     WITH acknowledged_rows AS (
         SELECT d.ctid
         FROM unnest(handles, services, priorities, acknowledged)
@@ -684,9 +846,19 @@ BEGIN
     ), removed AS (
         DELETE FROM broker.transmission_queue t
         WHERE t.ctid = ANY (ARRAY(SELECT r.ctid FROM acknowledged_rows r))
-        RETURNING 1
+        RETURNING t.*
+    ), kept AS (
+        INSERT INTO broker.acknowledged_messages (conversation_handle, message_sequence_number, message_type_id,
+                                                  body, enqueued_at, traceparent)
+        SELECT r.conversation_handle, r.message_sequence_number, r.message_type_id, r.body, r.enqueued_at,
+               r.traceparent
+        FROM removed r
+        WHERE (SELECT n.resend_window > interval '0' FROM broker.node n)
     )
     SELECT count(*) INTO delivered FROM removed;
+    UPDATE broker.transmission_progress p SET acknowledged_sequence = a.acknowledged
+    FROM unnest(handles, acknowledged) AS a(conversation_handle, acknowledged)
+    WHERE p.conversation_handle = a.conversation_handle AND a.acknowledged > p.acknowledged_sequence;
     -- The far node answered for these: earlier failures no longer apply.
     DELETE FROM broker.transmission_failures f
     WHERE f.next_attempt_at <= now()
@@ -698,23 +870,151 @@ BEGIN
     WHERE t.conversation_handle = a.conversation_handle AND a.refused IS NULL AND a.waiting IS NULL
       AND t.attempts > 0;
 
+    -- A conversation held back is tried again after a back-off that doubles
+    -- with each attempt, from a quarter of a second up to a minute.
     FOR result IN
         SELECT * FROM unnest(handles, services, priorities, refusals, holds)
                  AS a(conversation_handle, to_service, priority, refused, waiting)
-        WHERE a.refused IS NOT NULL OR a.waiting IS NOT NULL
+        WHERE (a.refused IS NOT NULL OR a.waiting IS NOT NULL) AND a.conversation_handle <> ALL (sent_again)
     LOOP
         IF result.refused IS NOT NULL THEN
             PERFORM broker._refused_by_far_side(broker._lock_endpoint(result.conversation_handle), result.refused);
         ELSE
             UPDATE broker.transmission_queue
             SET transmission_status = 'the far node holds it back: ' || result.waiting,
-                attempts = attempts + 1, next_attempt_at = now() + interval '5 seconds'
+                attempts = attempts + 1,
+                next_attempt_at = now() + least(interval '60 seconds', interval '250 milliseconds' * 2 ^ attempts)
             WHERE to_service = result.to_service AND priority = result.priority
               AND conversation_handle = result.conversation_handle;
         END IF;
     END LOOP;
     RETURN delivered;
 END $$;
+
+-- The far node lost the numbers after held up to acknowledged of a
+-- conversation side's messages, which it had acknowledged: its database went
+-- back to an earlier point.  They go to the transmission queue again, from the
+-- resend window (broker.acknowledged_messages), in order and before the
+-- messages that wait.  When the window no longer holds them all, the
+-- conversation ends with broker.error code -4 on both sides (the far node
+-- takes the error across the numbers it lacks).  Either way the loss is
+-- recorded in broker.lost_messages.  Returns whether they were sent again.
+CREATE FUNCTION broker._send_again(handle uuid, held bigint, acknowledged bigint) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    e broker.endpoints;
+    resent boolean;
+BEGIN
+    SELECT * INTO e FROM broker.endpoints WHERE conversation_handle = handle FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN false;  -- an application holds the conversation: the next answer finds the same
+    END IF;
+    resent := (SELECT count(*) FROM broker.acknowledged_messages k
+               WHERE k.conversation_handle = handle AND k.message_sequence_number BETWEEN held + 1 AND acknowledged)
+              = acknowledged - held;
+    IF resent THEN
+        WITH taken_back AS (
+            DELETE FROM broker.acknowledged_messages k
+            WHERE k.conversation_handle = handle AND k.message_sequence_number BETWEEN held + 1 AND acknowledged
+            RETURNING k.*
+        )
+        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
+                                               to_service, message_type_id, body, enqueued_at, transmission_status,
+                                               priority, traceparent)
+        SELECT handle, k.message_sequence_number, e.conversation_id, e.far_service, k.message_type_id, k.body,
+               k.enqueued_at, format('sent again: the far node lost it (its database went back to number %s)', held),
+               e.priority, k.traceparent
+        FROM taken_back k;
+    ELSIF e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
+        PERFORM broker._fail_conversation(e, -4, format(
+            'messages %s to %s of this conversation were lost: the far node''s database went back to an earlier '
+            'point, and this node no longer keeps them (broker.node.resend_window)', held + 1, acknowledged));
+    END IF;
+    UPDATE broker.transmission_progress SET acknowledged_sequence = held WHERE conversation_handle = handle;
+    PERFORM broker._record_lost_messages(e, 'sent', held + 1, acknowledged,
+                                         CASE WHEN resent THEN 'resent' ELSE 'lost' END);
+    RETURN resent;
+END $$;
+
+-- This side's database went back to an earlier point: the far node already
+-- holds its numbers up to held, of which this side remembers transmitting only
+-- those up to transmitted.  The messages it numbered after transmitted may be
+-- new ones, which the far node would discard as duplicates, or old ones it
+-- holds already: this side cannot tell.  So they are numbered past held,
+-- behind a broker.renumbered message (number held + 1, and a notice here) that
+-- tells both applications which numbers the far side holds from before, so
+-- that they can reconcile.  Nothing new is discarded.
+CREATE FUNCTION broker._number_past(handle uuid, held bigint, transmitted bigint) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    e broker.endpoints;
+    shift bigint := held + 1 - transmitted;
+    renumbered broker.message_types := broker._message_type('broker.renumbered');
+    notice bytea;
+BEGIN
+    SELECT * INTO e FROM broker.endpoints WHERE conversation_handle = handle FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND OR e.state NOT IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
+        RETURN;  -- held by an application (the next answer finds the same), or ended
+    END IF;
+    notice := convert_to(jsonb_build_object(
+        'first_number', transmitted + 1, 'last_number', held, 'next_number', held + 2,
+        'description', format('the database of the sending side went back to an earlier point: the receiving side '
+                              'already holds numbers %s to %s from before; the sender''s messages from number %s on '
+                              'follow as numbers %s on, and may repeat some of those',
+                              transmitted + 1, held, transmitted + 1, held + 2))::text, 'UTF8');
+    WITH moved AS (
+        DELETE FROM broker.transmission_queue t
+        WHERE t.to_service = e.far_service AND t.priority = e.priority AND t.conversation_handle = handle
+          AND t.message_sequence_number > transmitted
+        RETURNING t.*
+    )
+    INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id, to_service,
+                                           message_type_id, body, enqueued_at, next_attempt_at, transmission_status,
+                                           priority, traceparent)
+    SELECT m.conversation_handle, m.message_sequence_number + shift, m.conversation_id, m.to_service,
+           m.message_type_id, m.body, m.enqueued_at, m.next_attempt_at,
+           format('numbered again from %s: the far node already held that number', m.message_sequence_number),
+           m.priority, m.traceparent
+    FROM moved m;
+    INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id, to_service,
+                                           message_type_id, body, priority)
+    VALUES (handle, held + 1, e.conversation_id, e.far_service, renumbered.message_type_id, notice, e.priority);
+    UPDATE broker.endpoints SET send_sequence = greatest(send_sequence, transmitted) + shift
+    WHERE conversation_handle = handle;
+    UPDATE broker.transmission_progress
+    SET previously_transmitted = held, transmitted_sequence = held, acknowledged_sequence = held
+    WHERE conversation_handle = handle;
+    PERFORM broker._enqueue(e, 0, renumbered.message_type_id, notice);
+    PERFORM broker._record_lost_messages(e, 'sent', transmitted + 1, held, 'renumbered');
+END $$;
+
+-- Records numbers of a conversation side that a database going back lost
+-- (see broker.lost_messages); the same numbers found again update the row.
+CREATE FUNCTION broker._record_lost_messages(e broker.endpoints, direction text, first_number bigint,
+                                             last_number bigint, outcome text) RETURNS void
+LANGUAGE sql AS $$
+    INSERT INTO broker.lost_messages AS l (conversation_id, is_initiator, far_broker_instance, direction,
+                                           first_number, last_number, outcome)
+    VALUES (e.conversation_id, e.is_initiator, e.far_broker_instance, direction, first_number, last_number, outcome)
+    ON CONFLICT (conversation_id, is_initiator, direction, first_number) DO UPDATE
+    SET last_number = excluded.last_number, outcome = excluded.outcome, found_at = excluded.found_at;
+$$;
+
+-- Forgets the acknowledged messages older than broker.node.resend_window, at
+-- most max_messages of them; returns how many.  A running relay calls it every
+-- minute.
+CREATE FUNCTION broker.forget_acknowledged_messages(max_messages integer DEFAULT 100000) RETURNS integer
+LANGUAGE sql AS $$
+    WITH due AS (
+        SELECT k.ctid FROM broker.acknowledged_messages k
+        WHERE k.acknowledged_at < now() - (SELECT n.resend_window FROM broker.node n)
+        LIMIT max_messages
+    ), gone AS (
+        DELETE FROM broker.acknowledged_messages k WHERE k.ctid = ANY (ARRAY(SELECT d.ctid FROM due d))
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM gone;
+$$;
 
 -- A destination could not be reached: the conversations of one lane of a relay
 -- (or a single one) waiting for it get the reason in words and their next

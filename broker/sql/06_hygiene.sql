@@ -47,6 +47,10 @@ BEGIN
         SELECT f.conversation_id, f.is_initiator, f.far_broker_instance, f.receive_sequence
         FROM unnest(forgotten) f WHERE NOT f.far_is_local
         ON CONFLICT DO NOTHING;
+        DELETE FROM broker.transmission_progress p
+        USING unnest(forgotten) f WHERE p.conversation_handle = f.conversation_handle;
+        DELETE FROM broker.lost_messages l
+        USING unnest(forgotten) f WHERE l.conversation_id = f.conversation_id AND l.is_initiator = f.is_initiator;
         DELETE FROM broker.queue_messages m
         USING unnest(forgotten) f
         WHERE m.conversation_group_id = f.conversation_group_id AND m.conversation_handle = f.conversation_handle;

@@ -79,7 +79,8 @@ BEGIN
         SELECT p.oid FROM pg_proc p
         WHERE p.pronamespace = 'broker'::regnamespace
           AND (p.proname IN ('transport_batch', 'apply_transport_results', 'record_transport_failure',
-                             'accept_transport_batch', 'forget_closed_endpoints', 'fire_due_events')
+                             'accept_transport_batch', 'forget_closed_endpoints', 'forget_acknowledged_messages',
+                             'fire_due_events')
                OR left(p.proname, 1) = '_')
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO broker_relay', function_id);
@@ -102,7 +103,8 @@ GRANT SELECT (dead_letter_id, queue_name, conversation_handle, message_sequence_
               traceparent) ON broker.dead_letters TO broker_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON broker.endpoints, broker.conversation_groups, broker.queue_messages,
                                         broker.transmission_queue, broker.transmission_failures,
-                                        broker.forgotten_conversations
+                                        broker.forgotten_conversations, broker.transmission_progress,
+                                        broker.acknowledged_messages, broker.lost_messages
     TO broker_relay;
 
 ------------------------------------------------------------------------------

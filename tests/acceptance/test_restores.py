@@ -1,0 +1,225 @@
+"""A node whose database goes back to an earlier point, on real clusters: restored from a base backup, recovered
+from archived WAL to a restore point, or failed over to a standby that had not received its primary's last
+transactions.  Node a runs on the test server, node b on a cluster of its own.  Both sides find it within a batch
+round trip, send again what the far side lost from the resend window, number past what the far side holds, and,
+where the window no longer holds what was lost, end the conversation with broker.error -4 and say so."""
+import json
+
+import psycopg2
+import pytest
+
+import broker
+from broker import migrate
+from tests.clusters import Cluster
+from tests.conftest import _fresh_database, admin_execute
+from tests.integration.test_diagnose import _diagnose
+from tests.nodes import SECRET, Node, define_node, wait_for
+
+pytestmark = pytest.mark.slow
+
+CONVERSATIONS = 3
+
+
+@pytest.fixture
+def pair(admin_url, template_database, tmp_path):
+    """Node a (the shop) on the test server, node b (the warehouse) on a cluster of its own; both serving."""
+    cluster = Cluster.initdb(tmp_path / "b-cluster", "b").start()
+    admin_execute(cluster.url(), "CREATE DATABASE warehouse")
+    migrate.upgrade(cluster.url("warehouse"))
+    a_database = _fresh_database(admin_url, template_database)
+    a, b = Node("a", next(a_database), tmp_path), Node("b", cluster.url("warehouse"), tmp_path)
+    define_node(a, "shop_queue", "shop")
+    define_node(b, "warehouse_queue", "warehouse")
+    with a.engine.begin() as c:
+        broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
+    with b.engine.begin() as c:
+        broker.create_route(c, "shop", a.address, a.instance, SECRET)
+    a.start()
+    b.start()
+    yield a, b, cluster
+    for node in (a, b):
+        node.stop()
+        node.engine.dispose()
+    cluster.stop("immediate")
+    next(a_database, None)
+
+
+def send(node, handles, count, label):
+    """count messages round the conversations, in one transaction: their bodies per conversation, in order."""
+    sent = {handle: [] for handle in handles}
+    with node.engine.begin() as c:
+        for i in range(count):
+            handle = handles[i % len(handles)]
+            body = f"{label} {i}".encode()
+            broker.send(c, handle, "order.note", body)
+            sent[handle].append(body)
+    return sent
+
+
+def received(node, queue, count):
+    """What arrives, per conversation id: the message types and bodies, in order of receipt."""
+    by_conversation = {}
+    for message in node.receive_all(queue, count, timeout_s=90):
+        by_conversation.setdefault(message.conversation_id, []).append((message.message_type, message.body))
+    return by_conversation
+
+
+def drained(*nodes):
+    wait_for(lambda: all(node.scalar("SELECT count(*) FROM broker.transmission_queue") == 0 for node in nodes), 60,
+             "every message to be acknowledged")
+
+
+def lost_messages(node):
+    with node.engine.connect() as c:
+        return sorted(tuple(row) for row in c.exec_driver_sql(
+            "SELECT direction, outcome, first_number, last_number FROM broker.lost_messages"))
+
+
+class Going:
+    """How b's database goes back to the moment called 'before', as an operator would do it."""
+
+    def __init__(self, how, cluster, tmp_path):
+        self.how, self.cluster, self.tmp_path = how, cluster, tmp_path
+        if how == "point in time":
+            self.base = cluster.base_backup("base")
+        elif how == "standby":
+            self.standby = cluster.standby(tmp_path / "b-standby", "b-standby")
+
+    def mark_before(self):
+        if self.how == "base backup":
+            self.backup = self.cluster.base_backup("before")
+        elif self.how == "point in time":
+            self.cluster.restore_point("before")
+        else:  # the standby stops receiving here, once it has replayed everything so far
+            with psycopg2.connect(self.cluster.url()) as primary, primary.cursor() as cursor:
+                cursor.execute("SELECT pg_current_wal_lsn()")
+                lsn = cursor.fetchone()[0]
+            wait_for(lambda: self._replayed(lsn), 30, "the standby to catch up")
+            self.standby.stop("fast")
+
+    def _replayed(self, lsn):
+        with psycopg2.connect(self.standby.url()) as standby, standby.cursor() as cursor:
+            cursor.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,))
+            return cursor.fetchone()[0]
+
+    def go_back(self, b):
+        """b's node stopped, its database taken back, and a node started on it at b's address."""
+        b.stop()
+        b.engine.dispose()
+        if self.how == "base backup":
+            server = self.cluster.restore(self.backup)
+        elif self.how == "point in time":
+            server = self.cluster.restore(self.base, to_restore_point="before")
+        else:  # the primary is lost, and the standby that lags is promoted
+            self.cluster.stop("immediate")
+            server = self.standby.start()
+            server.promote()
+        node = Node("b", server.url("warehouse"), self.tmp_path, port=b.port)
+        node.start()
+        return node
+
+    def stop(self):
+        if self.how == "standby":
+            self.standby.stop("immediate")
+
+
+def conversations_begun(a, count):
+    with a.engine.begin() as c:
+        return [broker.begin_dialog(c, "shop", "warehouse", "orders") for _ in range(count)]
+
+
+def conversation_ids(node, handles):
+    with node.engine.connect() as c:
+        return {handle: c.exec_driver_sql("SELECT conversation_id FROM broker.endpoints WHERE conversation_handle = %s",
+                                          (handle,)).scalar_one() for handle in handles}
+
+
+def handles_by_conversation(node, conversation_ids):
+    with node.engine.connect() as c:
+        return {conversation_id: c.exec_driver_sql(
+                    "SELECT conversation_handle FROM broker.endpoints WHERE conversation_id = %s",
+                    (conversation_id,)).scalar_one() for conversation_id in conversation_ids}
+
+
+@pytest.mark.parametrize("how", ["base backup", "point in time", "standby"])
+def test_a_receiver_that_went_back_gets_again_what_it_lost_and_its_replies_are_numbered_past(pair, tmp_path, how):
+    a, b, cluster = pair
+    going = Going(how, cluster, tmp_path)
+    handles = conversations_begun(a, CONVERSATIONS)
+    send(a, handles, 30, "before")
+    b_handles = handles_by_conversation(b, received(b, "warehouse_queue", 30))
+    send(b, list(b_handles.values()), 12, "reply before")
+    received(a, "shop_queue", 12)
+    drained(a, b)
+    going.mark_before()
+
+    after = send(a, handles, 99, "after")  # acknowledged by b, then lost with its database
+    received(b, "warehouse_queue", 99)
+    send(b, list(b_handles.values()), 30, "reply after")
+    received(a, "shop_queue", 30)
+    drained(a, b)
+    try:
+        b = going.go_back(b)
+        later = send(a, handles, 30, "later")
+        new_replies = send(b, list(b_handles.values()), 12, "new reply")
+
+        # b gets exactly what it lost, in order, once, then what came later, and a notice per conversation that
+        # its replies were numbered past what a holds.
+        at_b = received(b, "warehouse_queue", 129 + CONVERSATIONS)
+        for handle, conversation_id in conversation_ids(a, handles).items():
+            assert [body for kind, body in at_b[conversation_id] if kind == "order.note"] == after[handle] + later[handle]
+            assert [kind for kind, body in at_b[conversation_id]].count("broker.renumbered") == 1
+        # a gets every new reply, behind a broker.renumbered that names the numbers it already held from before.
+        at_a = received(a, "shop_queue", 12 + CONVERSATIONS)
+        for conversation_id, b_handle in b_handles.items():
+            assert at_a[conversation_id][0][0] == "broker.renumbered"
+            notice = json.loads(at_a[conversation_id][0][1])
+            assert (notice["first_number"], notice["last_number"], notice["next_number"]) == (5, 14, 16)
+            assert [body for kind, body in at_a[conversation_id][1:]] == new_replies[b_handle]
+        drained(a, b)
+        assert lost_messages(a) == sorted([("sent", "resent", 11, 43)] * CONVERSATIONS
+                                          + [("received", "renumbered", 5, 14)] * CONVERSATIONS)
+        assert lost_messages(b) == sorted([("received", "resent", 11, 43)] * CONVERSATIONS
+                                          + [("sent", "renumbered", 5, 14)] * CONVERSATIONS)
+        for node in (a, b):
+            code, findings = _diagnose(node)
+            assert code == 0, [f for f in findings if f["level"] == "error"]
+            assert sum(f["level"] == "warning" and "renumbered" in f["finding"] for f in findings) == CONVERSATIONS
+    finally:
+        b.stop()
+        going.stop()
+
+
+def test_what_the_resend_window_no_longer_holds_ends_the_conversation_on_both_sides_and_is_never_silent(pair,
+                                                                                                       tmp_path):
+    a, b, cluster = pair
+    with a.engine.begin() as c:
+        c.exec_driver_sql("UPDATE broker.node SET resend_window = '0'")
+    going = Going("base backup", cluster, tmp_path)
+    handles = conversations_begun(a, CONVERSATIONS)
+    send(a, handles, 30, "before")
+    received(b, "warehouse_queue", 30)
+    drained(a, b)
+    going.mark_before()
+    send(a, handles, 30, "after")
+    received(b, "warehouse_queue", 30)
+    drained(a, b)
+    b = going.go_back(b)
+    try:
+        send(a, handles, 3, "later")
+        errors = received(b, "warehouse_queue", CONVERSATIONS)
+        for messages in list(errors.values()) + list(received(a, "shop_queue", CONVERSATIONS).values()):
+            [(kind, body)] = messages
+            assert kind == "broker.error"
+            assert json.loads(body)["code"] == -4
+            assert "messages 11 to 20" in json.loads(body)["description"]
+        assert lost_messages(a) == [("sent", "lost", 11, 20)] * CONVERSATIONS
+        assert lost_messages(b) == [("received", "lost", 11, 20)] * CONVERSATIONS
+        for node in (a, b):
+            code, findings = _diagnose(node)
+            assert code == 1
+            lost = [f for f in findings if f["level"] == "error" and f["check"].startswith("conversation ")]
+            assert len(lost) == CONVERSATIONS
+            assert all("messages 11 to 20" in f["finding"] and "broker.error -4" in f["finding"] for f in lost)
+    finally:
+        b.stop()
