@@ -23,6 +23,7 @@ BARE_INBOX = ("CREATE TABLE IF NOT EXISTS bench_inbox (id bigint PRIMARY KEY, co
 BARE_INSERT = "INSERT INTO bench_outbox (conversation_id, seq, body) VALUES %s"
 BARE_BATCH = "SELECT id, conversation_id, seq, body FROM bench_outbox ORDER BY id LIMIT 1000"
 BARE_DELETE = "DELETE FROM bench_outbox WHERE id <= %s"
+SET_RESEND_WINDOW = "UPDATE broker.node SET resend_window = %s"
 RECEIVE_TIMED = "SELECT body, extract(epoch FROM enqueued_at) FROM broker.receive('bench_dst', 100)"
 # This machine class commits about 2,500 single-row transactions a second to its disk: the
 # latency load comes in transactions of 10 (100 commits a second) so that commits do not queue.
@@ -170,6 +171,29 @@ def traced(nodes: TwoNodes, conversations: int, messages: int, repetitions: int,
                           met=measured.median / baseline.median >= 0.95,
                           details={"conversations": conversations, "messages": messages,
                                    "messages_per_trace": workload.PER_TRANSACTION, "spans_exported": spans})
+
+
+def resend_window(nodes: TwoNodes, conversations: int, messages: int, repetitions: int,
+                  report: Callable[[str], None]) -> ScenarioResult:
+    """The transfer keeping what B acknowledged for A's resend window (the default, 24 hours) against the same
+    transfer keeping nothing (resend_window 0), the two alternated on the same nodes."""
+    payloads = workload.bodies()
+    handles, _ = open_conversations(nodes, conversations, payloads)
+    without, kept = [], []
+    for repetition in range(1, repetitions + 1):
+        for window, rates in (("0", without), ("24 hours", kept)):
+            with nodes.a.cursor() as cursor:
+                cursor.execute(SET_RESEND_WINDOW, (window,))
+            nodes.a.commit()
+            rates.append(_transfer(nodes, handles, messages, payloads))
+            nodes.clear_arrived()
+        report(f"cross-node transfer, resend window: repetition {repetition}/{repetitions}: without "
+               f"{without[-1]:,.0f} msgs/s, keeping 24 hours {kept[-1]:,.0f} msgs/s")
+    measured = Measurement("keeping acknowledged messages for 24 hours", "msgs/s", kept)
+    baseline = Measurement("resend window 0, same nodes, alternated", "msgs/s", without)
+    return ScenarioResult("cross-node transfer, resend window", measured, baseline, target="≥ 0.95 × without",
+                          met=measured.median / baseline.median >= 0.95,
+                          details={"conversations": conversations, "messages": messages})
 
 
 def _latencies(nodes: TwoNodes, rate: int, seconds: float) -> tuple[list[float], list[float], float]:

@@ -56,6 +56,7 @@ def _scenarios(server: BenchServer, output: Path, sizes: Sizes, repetitions: int
         transfer = results[-1].measured.median
         results.append(cross_node.latency(nodes, 1_000, sizes.latency_s, repetitions, report))
         results.append(cross_node.traced(nodes, 1_000, sizes.transfer, repetitions, report))
+        results.append(cross_node.resend_window(nodes, 1_000, sizes.transfer, repetitions, report))
     results.append(rest.run(server, log, 4, sizes.rest_per_client, report))
     peer = rabbitmq.run(sizes.rabbitmq, repetitions, report)
     if peer.measured:

@@ -12,6 +12,7 @@ timeline, the restored cluster would write WAL segments under the names of segme
 archiving would stop.
 """
 import os
+import pwd
 import shutil
 import subprocess
 import tempfile
@@ -150,8 +151,10 @@ class Cluster:
         """This cluster as it was in backup (stopped at once, its data directory replaced by a copy of the
         backup, then started): at the end of the backup, or with to_restore_point, recovered from the archive
         up to that restore point.  Either way it comes out of recovery on a new timeline, writable."""
+        if not (Path(backup) / "PG_VERSION").exists():
+            raise FileNotFoundError(f"{backup} is not a base backup")
         self.stop("immediate")
-        shutil.rmtree(self.data)
+        shutil.rmtree(self.data, ignore_errors=True)
         shutil.copytree(backup, self.data, symlinks=True)
         archive = str(self.archive)
         recovery = {"restore_command": f'cp "{archive}/%f" "%p"', "recovery_target_action": "promote"}
@@ -206,7 +209,7 @@ class Cluster:
         """Runs one of the server's programs as the server's user; raises with its output and the log's tail.
         (pgexec raises without the output; output files, not pipes: pg_ctl's server would hold a pipe open.)"""
         with tempfile.TemporaryFile("w+") as output:
-            result = subprocess.run([str(self.bin_dir / command), *arguments], stdout=output,
+            result = subprocess.run([str(self.bin_dir / command), *arguments], check=False, stdout=output,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                     user=self._pg.system_user, cwd=self.directory, timeout=TIMEOUT_S + 30)
             output.seek(0)
@@ -220,15 +223,9 @@ class Cluster:
         """As root: the paths, and all under them, belong to the server's user."""
         if self._pg.system_user is None:
             return
+        user = pwd.getpwnam(self._pg.system_user)
         for path in paths:
-            shutil.chown(path, self._pg.system_user, self._pg.system_user)
+            os.chown(path, user.pw_uid, user.pw_gid)
             for folder, folders, files in os.walk(path):
                 for child in folders + files:
-                    os.chown(os.path.join(folder, child), *_ids(self._pg.system_user), follow_symlinks=False)
-
-
-def _ids(user: str) -> tuple[int, int]:
-    import pwd
-
-    entry = pwd.getpwnam(user)
-    return entry.pw_uid, entry.pw_gid
+                    os.chown(os.path.join(folder, child), user.pw_uid, user.pw_gid, follow_symlinks=False)

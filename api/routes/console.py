@@ -87,6 +87,21 @@ class DeadLetter(BaseModel):
     dead_lettered_at: datetime
 
 
+class LostMessages(BaseModel):
+    """Numbers of a conversation that a database going back to an earlier point lost (broker.lost_messages)."""
+
+    conversation_id: UUID
+    conversation_handle: UUID | None
+    far_service: str
+    far_broker_instance: UUID
+    direction: Literal["received", "sent"]
+    first_number: int
+    last_number: int
+    outcome: Literal["missing", "resent", "renumbered", "lost"]
+    found_at: datetime
+    explanation: str
+
+
 class RelayTotals(BaseModel):
     """The relay's counters in this process since it started."""
 
@@ -101,6 +116,7 @@ class NodeStatus(BaseModel):
     transmission_queue: list[Backlog]
     ingests: list[Ingest]
     dead_letters: list[DeadLetter]
+    lost_messages: list[LostMessages]
     relay: RelayTotals
 
 
@@ -110,7 +126,7 @@ def _total(counter: Counter) -> float:
 
 
 @router.get("/v1/status", tags=["catalog"], responses=error_responses(*KEYED),
-            dependencies=[Depends(known_query_parameters)], summary="What the node is doing: queues, endpoints, transmission queue, ingests, dead letters, relay")
+            dependencies=[Depends(known_query_parameters)], summary="What the node is doing: queues, endpoints, transmission queue, ingests, dead letters, lost messages, relay")
 async def get_status(request: Request, key: ApiKey = Depends(api_key)) -> NodeStatus:
     require(key, "admin")
 

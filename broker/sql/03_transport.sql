@@ -59,18 +59,22 @@ CREATE TABLE broker.transmission_failures (
 
 -- How far each conversation side with a remote far side has got in sending:
 -- the highest number it put in a batch before the latest batch
--- (previously_transmitted, NULL when unknown) and since (transmitted), and the
--- highest number the far node acknowledged.  The relay commits a batch's
+-- (previously_transmitted) and since (transmitted_sequence), the highest it
+-- had put in a batch when the latest answer applied (answered_sequence), and
+-- the highest number the far node acknowledged.  The relay commits a batch's
 -- numbers here before the batch leaves (broker.transport_batch), so the far
 -- node never holds a number above transmitted_sequence, and never held one
 -- above previously_transmitted before the batch came: an answer that says
 -- otherwise shows this database went back to an earlier point (a restore, a
--- failover to a standby that lagged).  One that acknowledges less than it did
--- before shows the far node's did.  See broker.apply_transport_results.
+-- failover to a standby that lagged), and the numbers after
+-- answered_sequence are those its attempts since may have sent in vain.  An
+-- answer that acknowledges less than the far node did before shows that the
+-- far node's database went back.  See broker.apply_transport_results.
 CREATE TABLE broker.transmission_progress (
     conversation_handle     uuid PRIMARY KEY,
     previously_transmitted  bigint NOT NULL DEFAULT 0,
     transmitted_sequence    bigint NOT NULL,
+    answered_sequence       bigint NOT NULL DEFAULT 0,
     acknowledged_sequence   bigint NOT NULL DEFAULT 0
 ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000);
 
@@ -786,6 +790,7 @@ DECLARE
     refusals text[];
     holds text[];
     result record;
+    went_back uuid[] := '{}';
     sent_again uuid[] := '{}';
     delivered bigint;
 BEGIN
@@ -809,21 +814,22 @@ BEGIN
                            AND NOT e.far_is_local;
 
     FOR result IN
-        SELECT a.conversation_handle, a.reported, a.held, p.previously_transmitted, p.acknowledged_sequence,
-               e.send_sequence
+        SELECT a.conversation_handle, a.reported, a.held, p.previously_transmitted, p.answered_sequence,
+               p.acknowledged_sequence, e.send_sequence
         FROM unnest(handles, reported, held) AS a(conversation_handle, reported, held)
         JOIN broker.transmission_progress p ON p.conversation_handle = a.conversation_handle
         JOIN broker.endpoints e ON e.conversation_handle = a.conversation_handle
         WHERE a.reported < p.acknowledged_sequence OR a.held > p.previously_transmitted
            OR a.reported > e.send_sequence
     LOOP
+        went_back := went_back || result.conversation_handle;
         IF result.reported < result.acknowledged_sequence THEN
             IF broker._send_again(result.conversation_handle, result.reported, result.acknowledged_sequence) THEN
                 sent_again := sent_again || result.conversation_handle;
             END IF;
         ELSE
             PERFORM broker._number_past(result.conversation_handle,
-                                        greatest(result.reported, result.held), result.previously_transmitted);
+                                        greatest(result.reported, result.held), result.answered_sequence);
         END IF;
     END LOOP;
 
@@ -833,7 +839,9 @@ BEGIN
     -- a join, the plan could scan the whole transmission queue for every
     -- answer: a long queue (a peer down for days) would make every batch
     -- slower.  A row that another transaction changed meanwhile is not
-    -- deleted: it is sent again, and acknowledged as a duplicate.
+    -- deleted: it is sent again, and acknowledged as a duplicate.  Nothing is
+    -- deleted of a conversation whose answer showed a database that went back:
+    -- what that answer acknowledges is not what this side sent.
     WITH acknowledged_rows AS (
         SELECT d.ctid
         FROM unnest(handles, services, priorities, acknowledged)
@@ -843,6 +851,7 @@ BEGIN
                         AND t.conversation_handle = a.conversation_handle
                         AND t.message_sequence_number <= a.acknowledged
                       OFFSET 0) d
+        WHERE a.conversation_handle <> ALL (went_back)
     ), removed AS (
         DELETE FROM broker.transmission_queue t
         WHERE t.ctid = ANY (ARRAY(SELECT r.ctid FROM acknowledged_rows r))
@@ -856,9 +865,11 @@ BEGIN
         WHERE (SELECT n.resend_window > interval '0' FROM broker.node n)
     )
     SELECT count(*) INTO delivered FROM removed;
-    UPDATE broker.transmission_progress p SET acknowledged_sequence = a.acknowledged
+    UPDATE broker.transmission_progress p
+    SET acknowledged_sequence = greatest(p.acknowledged_sequence, a.acknowledged),
+        answered_sequence = p.transmitted_sequence
     FROM unnest(handles, acknowledged) AS a(conversation_handle, acknowledged)
-    WHERE p.conversation_handle = a.conversation_handle AND a.acknowledged > p.acknowledged_sequence;
+    WHERE p.conversation_handle = a.conversation_handle AND a.conversation_handle <> ALL (went_back);
     -- The far node answered for these: earlier failures no longer apply.
     DELETE FROM broker.transmission_failures f
     WHERE f.next_attempt_at <= now()
@@ -937,8 +948,8 @@ BEGIN
 END $$;
 
 -- This side's database went back to an earlier point: the far node already
--- holds its numbers up to held, of which this side remembers transmitting only
--- those up to transmitted.  The messages it numbered after transmitted may be
+-- holds its numbers up to held, of which this side knows it had transmitted
+-- only those up to transmitted (its answered_sequence).  The messages it numbered after transmitted may be
 -- new ones, which the far node would discard as duplicates, or old ones it
 -- holds already: this side cannot tell.  So they are numbered past held,
 -- behind a broker.renumbered message (number held + 1, and a notice here) that
@@ -982,7 +993,8 @@ BEGIN
     UPDATE broker.endpoints SET send_sequence = greatest(send_sequence, transmitted) + shift
     WHERE conversation_handle = handle;
     UPDATE broker.transmission_progress
-    SET previously_transmitted = held, transmitted_sequence = held, acknowledged_sequence = held
+    SET previously_transmitted = held, transmitted_sequence = held, answered_sequence = held,
+        acknowledged_sequence = held
     WHERE conversation_handle = handle;
     PERFORM broker._enqueue(e, 0, renumbered.message_type_id, notice);
     PERFORM broker._record_lost_messages(e, 'sent', transmitted + 1, held, 'renumbered');

@@ -347,66 +347,6 @@ END $$;
 COMMENT ON FUNCTION broker.transport_batch(text, integer, bigint, uuid, uuid) IS
     'The next batch for a destination: the lowest waiting numbers of its conversations between the handles, up to a count and a size.';
 
--- Forgets up to max_endpoints endpoints closed longer than the retention ago
--- (none with messages still to transmit), the conversation groups left
--- without endpoints, and tombstones past their own retention.  Returns the
--- number of endpoints forgotten.  Runs by itself whenever an endpoint closes,
--- and at every acknowledgement: so the rows to delete are locked by CTEs,
--- which run once (a locking subquery under IN can be planned to run again for
--- every row of the table), and nothing more is done when nothing is past its
--- retention.
-CREATE OR REPLACE FUNCTION broker.forget_closed_endpoints(max_endpoints integer DEFAULT 1000) RETURNS integer
-LANGUAGE plpgsql AS $$
-DECLARE
-    settings broker.node := (SELECT n FROM broker.node n);
-    forgotten broker.endpoints[];
-BEGIN
-    WITH due AS (
-        SELECT c.conversation_handle FROM broker.endpoints c
-        WHERE c.state = 'closed' AND c.closed_at <= now() - settings.closed_endpoint_retention
-          AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
-                          WHERE t.to_service = c.far_service AND t.priority = c.priority
-                            AND t.conversation_handle = c.conversation_handle)
-        ORDER BY c.closed_at
-        LIMIT broker._require('max_endpoints', max_endpoints)
-        FOR UPDATE SKIP LOCKED
-    ), gone AS (
-        DELETE FROM broker.endpoints e USING due WHERE e.conversation_handle = due.conversation_handle
-        RETURNING e.*
-    )
-    SELECT coalesce(array_agg(gone), '{}') INTO forgotten FROM gone;
-
-    IF cardinality(forgotten) > 0 THEN
-        INSERT INTO broker.forgotten_conversations (conversation_id, is_initiator, far_broker_instance,
-                                                    receive_sequence)
-        SELECT f.conversation_id, f.is_initiator, f.far_broker_instance, f.receive_sequence
-        FROM unnest(forgotten) f WHERE NOT f.far_is_local
-        ON CONFLICT DO NOTHING;
-        DELETE FROM broker.queue_messages m
-        USING unnest(forgotten) f
-        WHERE m.conversation_group_id = f.conversation_group_id AND m.conversation_handle = f.conversation_handle;
-        WITH emptied AS (
-            SELECT candidate.conversation_group_id FROM broker.conversation_groups candidate
-            WHERE candidate.conversation_group_id IN (SELECT f.conversation_group_id FROM unnest(forgotten) f)
-              AND NOT EXISTS (SELECT 1 FROM broker.endpoints o
-                              WHERE o.conversation_group_id = candidate.conversation_group_id)
-              AND NOT EXISTS (SELECT 1 FROM broker.leases l
-                              WHERE l.conversation_group_id = candidate.conversation_group_id)
-            FOR UPDATE SKIP LOCKED
-        )
-        DELETE FROM broker.conversation_groups g USING emptied
-        WHERE g.conversation_group_id = emptied.conversation_group_id;
-    END IF;
-    DELETE FROM broker.forgotten_conversations
-    WHERE (conversation_id, is_initiator) IN (
-        SELECT conversation_id, is_initiator FROM broker.forgotten_conversations
-        WHERE forgotten_at < now() - settings.tombstone_retention
-        ORDER BY forgotten_at LIMIT max_endpoints);
-    RETURN cardinality(forgotten);
-END $$;
-COMMENT ON FUNCTION broker.forget_closed_endpoints(integer) IS
-    'Forgets closed endpoints older than broker.node.closed_endpoint_retention; runs whenever an endpoint closes.';
-
 -- Applies a destination node's answer in one transaction: deletes what it
 -- acknowledged, ends what it refused.  Returns how many messages were
 -- delivered.  Every acknowledgement is applied by one DELETE and one UPDATE;
@@ -503,6 +443,66 @@ BEGIN
     END LOOP;
     RETURN delivered;
 END $$;
+
+-- Forgets up to max_endpoints endpoints closed longer than the retention ago
+-- (none with messages still to transmit), the conversation groups left
+-- without endpoints, and tombstones past their own retention.  Returns the
+-- number of endpoints forgotten.  Runs by itself whenever an endpoint closes,
+-- and at every acknowledgement: so the rows to delete are locked by CTEs,
+-- which run once (a locking subquery under IN can be planned to run again for
+-- every row of the table), and nothing more is done when nothing is past its
+-- retention.
+CREATE OR REPLACE FUNCTION broker.forget_closed_endpoints(max_endpoints integer DEFAULT 1000) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    settings broker.node := (SELECT n FROM broker.node n);
+    forgotten broker.endpoints[];
+BEGIN
+    WITH due AS (
+        SELECT c.conversation_handle FROM broker.endpoints c
+        WHERE c.state = 'closed' AND c.closed_at <= now() - settings.closed_endpoint_retention
+          AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
+                          WHERE t.to_service = c.far_service AND t.priority = c.priority
+                            AND t.conversation_handle = c.conversation_handle)
+        ORDER BY c.closed_at
+        LIMIT broker._require('max_endpoints', max_endpoints)
+        FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM broker.endpoints e USING due WHERE e.conversation_handle = due.conversation_handle
+        RETURNING e.*
+    )
+    SELECT coalesce(array_agg(gone), '{}') INTO forgotten FROM gone;
+
+    IF cardinality(forgotten) > 0 THEN
+        INSERT INTO broker.forgotten_conversations (conversation_id, is_initiator, far_broker_instance,
+                                                    receive_sequence)
+        SELECT f.conversation_id, f.is_initiator, f.far_broker_instance, f.receive_sequence
+        FROM unnest(forgotten) f WHERE NOT f.far_is_local
+        ON CONFLICT DO NOTHING;
+        DELETE FROM broker.queue_messages m
+        USING unnest(forgotten) f
+        WHERE m.conversation_group_id = f.conversation_group_id AND m.conversation_handle = f.conversation_handle;
+        WITH emptied AS (
+            SELECT candidate.conversation_group_id FROM broker.conversation_groups candidate
+            WHERE candidate.conversation_group_id IN (SELECT f.conversation_group_id FROM unnest(forgotten) f)
+              AND NOT EXISTS (SELECT 1 FROM broker.endpoints o
+                              WHERE o.conversation_group_id = candidate.conversation_group_id)
+              AND NOT EXISTS (SELECT 1 FROM broker.leases l
+                              WHERE l.conversation_group_id = candidate.conversation_group_id)
+            FOR UPDATE SKIP LOCKED
+        )
+        DELETE FROM broker.conversation_groups g USING emptied
+        WHERE g.conversation_group_id = emptied.conversation_group_id;
+    END IF;
+    DELETE FROM broker.forgotten_conversations
+    WHERE (conversation_id, is_initiator) IN (
+        SELECT conversation_id, is_initiator FROM broker.forgotten_conversations
+        WHERE forgotten_at < now() - settings.tombstone_retention
+        ORDER BY forgotten_at LIMIT max_endpoints);
+    RETURN cardinality(forgotten);
+END $$;
+COMMENT ON FUNCTION broker.forget_closed_endpoints(integer) IS
+    'Forgets closed endpoints older than broker.node.closed_endpoint_retention; runs whenever an endpoint closes.';
 
 DROP FUNCTION broker.forget_acknowledged_messages(integer);
 DROP FUNCTION broker._number_past(uuid, bigint, bigint);

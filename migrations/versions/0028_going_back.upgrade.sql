@@ -13,18 +13,22 @@ INSERT INTO broker.message_types (name, validation) VALUES ('broker.renumbered',
 
 -- How far each conversation side with a remote far side has got in sending:
 -- the highest number it put in a batch before the latest batch
--- (previously_transmitted, NULL when unknown) and since (transmitted), and the
--- highest number the far node acknowledged.  The relay commits a batch's
+-- (previously_transmitted) and since (transmitted_sequence), the highest it
+-- had put in a batch when the latest answer applied (answered_sequence), and
+-- the highest number the far node acknowledged.  The relay commits a batch's
 -- numbers here before the batch leaves (broker.transport_batch), so the far
 -- node never holds a number above transmitted_sequence, and never held one
 -- above previously_transmitted before the batch came: an answer that says
 -- otherwise shows this database went back to an earlier point (a restore, a
--- failover to a standby that lagged).  One that acknowledges less than it did
--- before shows the far node's did.  See broker.apply_transport_results.
+-- failover to a standby that lagged), and the numbers after
+-- answered_sequence are those its attempts since may have sent in vain.  An
+-- answer that acknowledges less than the far node did before shows that the
+-- far node's database went back.  See broker.apply_transport_results.
 CREATE TABLE broker.transmission_progress (
     conversation_handle     uuid PRIMARY KEY,
     previously_transmitted  bigint NOT NULL DEFAULT 0,
     transmitted_sequence    bigint NOT NULL,
+    answered_sequence       bigint NOT NULL DEFAULT 0,
     acknowledged_sequence   bigint NOT NULL DEFAULT 0
 ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000);
 
@@ -72,10 +76,10 @@ CREATE TABLE broker.lost_messages (
 CREATE INDEX lost_messages_missing ON broker.lost_messages (conversation_id) WHERE outcome = 'missing';
 
 -- What each conversation side had sent before this revision counts as
--- transmitted, and what no longer waits as acknowledged.
+-- transmitted and answered, and what no longer waits as acknowledged.
 INSERT INTO broker.transmission_progress (conversation_handle, previously_transmitted, transmitted_sequence,
-                                          acknowledged_sequence)
-SELECT e.conversation_handle, e.send_sequence, e.send_sequence,
+                                          answered_sequence, acknowledged_sequence)
+SELECT e.conversation_handle, e.send_sequence, e.send_sequence, e.send_sequence,
        coalesce((SELECT min(t.message_sequence_number) - 1 FROM broker.transmission_queue t
                  WHERE t.to_service = e.far_service AND t.priority = e.priority
                    AND t.conversation_handle = e.conversation_handle), e.send_sequence)
@@ -503,6 +507,155 @@ END $$;
 COMMENT ON FUNCTION broker.transport_batch(text, integer, bigint, uuid, uuid) IS
     'The next batch for a destination: the lowest waiting numbers of its conversations between the handles, up to a count and a size.';
 
+-- Applies a destination node's answer in one transaction: deletes what it
+-- acknowledged (keeping it for broker.node.resend_window), ends what it
+-- refused.  Returns how many messages were delivered.  Every acknowledgement
+-- is applied by one DELETE and one UPDATE; refusals and hold-backs are rare and
+-- handled one by one.  The transaction that applies an answer commits without
+-- waiting for its WAL to reach the disk: if a crash loses it, the messages it
+-- deleted are sent again and the far node acknowledges them as duplicates
+-- (guarantee 3), so the relay need not wait for a flush in every cycle.
+--
+-- The answer is held to the batch it answers: the relay puts the batch it sent
+-- into pg_temp.sent_transport_batch (rows of broker.transport_message, by COPY
+-- in this transaction), and only the results for that batch's conversations
+-- apply, each acknowledging at most the highest number the batch carried of its
+-- conversation.  So no answer, however it is signed, acknowledges, refuses or
+-- holds back a message it was not sent.  A result without a number
+-- acknowledges nothing.
+--
+-- A database that went back to an earlier point shows in the answer (see
+-- broker.transmission_progress): a far node that acknowledges less than it did
+-- before lost what it had acknowledged, and gets it again
+-- (broker._send_again); a far node that held, before the batch came, numbers
+-- this side had not transmitted yet (the answer's held), or that acknowledges
+-- more than this side ever numbered, holds what this side numbered before its
+-- database went back, and this side's messages are numbered past them
+-- (broker._number_past).
+CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    handles uuid[];
+    services text[];
+    priorities smallint[];
+    acknowledged bigint[];
+    reported bigint[];
+    held bigint[];
+    refusals text[];
+    holds text[];
+    result record;
+    went_back uuid[] := '{}';
+    sent_again uuid[] := '{}';
+    delivered bigint;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    WITH sent AS (
+        SELECT b.conversation_id, b.sender_is_initiator, max(b.sequence_number) AS last_sent
+        FROM pg_temp.sent_transport_batch b
+        GROUP BY b.conversation_id, b.sender_is_initiator
+    )
+    SELECT array_agg(e.conversation_handle), array_agg(e.far_service), array_agg(e.priority),
+           array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)), array_agg(r.acknowledged), array_agg(r.held),
+           array_agg(CASE WHEN r.refused IS NOT NULL
+                          THEN coalesce(r.refused ->> 'reason', 'no reason given') END),
+           array_agg(r.waiting)
+    INTO handles, services, priorities, acknowledged, reported, held, refusals, holds
+    FROM jsonb_to_recordset(answer -> 'results')
+         AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, held bigint, refused jsonb,
+              waiting text)
+    JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
+    JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
+                           AND NOT e.far_is_local;
+
+    FOR result IN
+        SELECT a.conversation_handle, a.reported, a.held, p.previously_transmitted, p.answered_sequence,
+               p.acknowledged_sequence, e.send_sequence
+        FROM unnest(handles, reported, held) AS a(conversation_handle, reported, held)
+        JOIN broker.transmission_progress p ON p.conversation_handle = a.conversation_handle
+        JOIN broker.endpoints e ON e.conversation_handle = a.conversation_handle
+        WHERE a.reported < p.acknowledged_sequence OR a.held > p.previously_transmitted
+           OR a.reported > e.send_sequence
+    LOOP
+        went_back := went_back || result.conversation_handle;
+        IF result.reported < result.acknowledged_sequence THEN
+            IF broker._send_again(result.conversation_handle, result.reported, result.acknowledged_sequence) THEN
+                sent_again := sent_again || result.conversation_handle;
+            END IF;
+        ELSE
+            PERFORM broker._number_past(result.conversation_handle,
+                                        greatest(result.reported, result.held), result.answered_sequence);
+        END IF;
+    END LOOP;
+
+    -- The acknowledged rows are found conversation by conversation through the
+    -- primary key (OFFSET 0 keeps the planner from making the lateral subquery
+    -- a join), then deleted where they lie, and kept for the resend window.  As
+    -- a join, the plan could scan the whole transmission queue for every
+    -- answer: a long queue (a peer down for days) would make every batch
+    -- slower.  A row that another transaction changed meanwhile is not
+    -- deleted: it is sent again, and acknowledged as a duplicate.  Nothing is
+    -- deleted of a conversation whose answer showed a database that went back:
+    -- what that answer acknowledges is not what this side sent.
+    WITH acknowledged_rows AS (
+        SELECT d.ctid
+        FROM unnest(handles, services, priorities, acknowledged)
+                 AS a(conversation_handle, to_service, priority, acknowledged),
+             LATERAL (SELECT t.ctid FROM broker.transmission_queue t
+                      WHERE t.to_service = a.to_service AND t.priority = a.priority
+                        AND t.conversation_handle = a.conversation_handle
+                        AND t.message_sequence_number <= a.acknowledged
+                      OFFSET 0) d
+        WHERE a.conversation_handle <> ALL (went_back)
+    ), removed AS (
+        DELETE FROM broker.transmission_queue t
+        WHERE t.ctid = ANY (ARRAY(SELECT r.ctid FROM acknowledged_rows r))
+        RETURNING t.*
+    ), kept AS (
+        INSERT INTO broker.acknowledged_messages (conversation_handle, message_sequence_number, message_type_id,
+                                                  body, enqueued_at, traceparent)
+        SELECT r.conversation_handle, r.message_sequence_number, r.message_type_id, r.body, r.enqueued_at,
+               r.traceparent
+        FROM removed r
+        WHERE (SELECT n.resend_window > interval '0' FROM broker.node n)
+    )
+    SELECT count(*) INTO delivered FROM removed;
+    UPDATE broker.transmission_progress p
+    SET acknowledged_sequence = greatest(p.acknowledged_sequence, a.acknowledged),
+        answered_sequence = p.transmitted_sequence
+    FROM unnest(handles, acknowledged) AS a(conversation_handle, acknowledged)
+    WHERE p.conversation_handle = a.conversation_handle AND a.conversation_handle <> ALL (went_back);
+    -- The far node answered for these: earlier failures no longer apply.
+    DELETE FROM broker.transmission_failures f
+    WHERE f.next_attempt_at <= now()
+      AND f.address IN (SELECT r.address FROM broker.routes r WHERE r.service_name = ANY (services))
+      AND EXISTS (SELECT 1 FROM unnest(handles) h WHERE h BETWEEN f.first_handle AND f.last_handle);
+    UPDATE broker.transmission_queue t
+    SET attempts = 0, transmission_status = 'sent; waiting for the numbers before it to be acknowledged'
+    FROM unnest(handles, refusals, holds) AS a(conversation_handle, refused, waiting)
+    WHERE t.conversation_handle = a.conversation_handle AND a.refused IS NULL AND a.waiting IS NULL
+      AND t.attempts > 0;
+
+    -- A conversation held back is tried again after a back-off that doubles
+    -- with each attempt, from a quarter of a second up to a minute.
+    FOR result IN
+        SELECT * FROM unnest(handles, services, priorities, refusals, holds)
+                 AS a(conversation_handle, to_service, priority, refused, waiting)
+        WHERE (a.refused IS NOT NULL OR a.waiting IS NOT NULL) AND a.conversation_handle <> ALL (sent_again)
+    LOOP
+        IF result.refused IS NOT NULL THEN
+            PERFORM broker._refused_by_far_side(broker._lock_endpoint(result.conversation_handle), result.refused);
+        ELSE
+            UPDATE broker.transmission_queue
+            SET transmission_status = 'the far node holds it back: ' || result.waiting,
+                attempts = attempts + 1,
+                next_attempt_at = now() + least(interval '60 seconds', interval '250 milliseconds' * 2 ^ attempts)
+            WHERE to_service = result.to_service AND priority = result.priority
+              AND conversation_handle = result.conversation_handle;
+        END IF;
+    END LOOP;
+    RETURN delivered;
+END $$;
+
 -- Forgets up to max_endpoints endpoints closed longer than the retention ago
 -- (none with messages still to transmit), the conversation groups left
 -- without endpoints, and tombstones past their own retention.  Returns the
@@ -567,18 +720,6 @@ END $$;
 COMMENT ON FUNCTION broker.forget_closed_endpoints(integer) IS
     'Forgets closed endpoints older than broker.node.closed_endpoint_retention; runs whenever an endpoint closes.';
 
--- Records numbers of a conversation side that a database going back lost
--- (see broker.lost_messages); the same numbers found again update the row.
-CREATE OR REPLACE FUNCTION broker._record_lost_messages(e broker.endpoints, direction text, first_number bigint,
-                                             last_number bigint, outcome text) RETURNS void
-LANGUAGE sql AS $$
-    INSERT INTO broker.lost_messages AS l (conversation_id, is_initiator, far_broker_instance, direction,
-                                           first_number, last_number, outcome)
-    VALUES (e.conversation_id, e.is_initiator, e.far_broker_instance, direction, first_number, last_number, outcome)
-    ON CONFLICT (conversation_id, is_initiator, direction, first_number) DO UPDATE
-    SET last_number = excluded.last_number, outcome = excluded.outcome, found_at = excluded.found_at;
-$$;
-
 -- The far node lost the numbers after held up to acknowledged of a
 -- conversation side's messages, which it had acknowledged: its database went
 -- back to an earlier point.  They go to the transmission queue again, from the
@@ -625,8 +766,8 @@ BEGIN
 END $$;
 
 -- This side's database went back to an earlier point: the far node already
--- holds its numbers up to held, of which this side remembers transmitting only
--- those up to transmitted.  The messages it numbered after transmitted may be
+-- holds its numbers up to held, of which this side knows it had transmitted
+-- only those up to transmitted (its answered_sequence).  The messages it numbered after transmitted may be
 -- new ones, which the far node would discard as duplicates, or old ones it
 -- holds already: this side cannot tell.  So they are numbered past held,
 -- behind a broker.renumbered message (number held + 1, and a notice here) that
@@ -670,153 +811,24 @@ BEGIN
     UPDATE broker.endpoints SET send_sequence = greatest(send_sequence, transmitted) + shift
     WHERE conversation_handle = handle;
     UPDATE broker.transmission_progress
-    SET previously_transmitted = held, transmitted_sequence = held, acknowledged_sequence = held
+    SET previously_transmitted = held, transmitted_sequence = held, answered_sequence = held,
+        acknowledged_sequence = held
     WHERE conversation_handle = handle;
     PERFORM broker._enqueue(e, 0, renumbered.message_type_id, notice);
     PERFORM broker._record_lost_messages(e, 'sent', transmitted + 1, held, 'renumbered');
 END $$;
 
--- Applies a destination node's answer in one transaction: deletes what it
--- acknowledged (keeping it for broker.node.resend_window), ends what it
--- refused.  Returns how many messages were delivered.  Every acknowledgement
--- is applied by one DELETE and one UPDATE; refusals and hold-backs are rare and
--- handled one by one.  The transaction that applies an answer commits without
--- waiting for its WAL to reach the disk: if a crash loses it, the messages it
--- deleted are sent again and the far node acknowledges them as duplicates
--- (guarantee 3), so the relay need not wait for a flush in every cycle.
---
--- The answer is held to the batch it answers: the relay puts the batch it sent
--- into pg_temp.sent_transport_batch (rows of broker.transport_message, by COPY
--- in this transaction), and only the results for that batch's conversations
--- apply, each acknowledging at most the highest number the batch carried of its
--- conversation.  So no answer, however it is signed, acknowledges, refuses or
--- holds back a message it was not sent.  A result without a number
--- acknowledges nothing.
---
--- A database that went back to an earlier point shows in the answer (see
--- broker.transmission_progress): a far node that acknowledges less than it did
--- before lost what it had acknowledged, and gets it again
--- (broker._send_again); a far node that held, before the batch came, numbers
--- this side had not transmitted yet (the answer's held), or that acknowledges
--- more than this side ever numbered, holds what this side numbered before its
--- database went back, and this side's messages are numbered past them
--- (broker._number_past).
-CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS bigint
-LANGUAGE plpgsql AS $$
-DECLARE
-    handles uuid[];
-    services text[];
-    priorities smallint[];
-    acknowledged bigint[];
-    reported bigint[];
-    held bigint[];
-    refusals text[];
-    holds text[];
-    result record;
-    sent_again uuid[] := '{}';
-    delivered bigint;
-BEGIN
-    PERFORM set_config('synchronous_commit', 'off', true);
-    WITH sent AS (
-        SELECT b.conversation_id, b.sender_is_initiator, max(b.sequence_number) AS last_sent
-        FROM pg_temp.sent_transport_batch b
-        GROUP BY b.conversation_id, b.sender_is_initiator
-    )
-    SELECT array_agg(e.conversation_handle), array_agg(e.far_service), array_agg(e.priority),
-           array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)), array_agg(r.acknowledged), array_agg(r.held),
-           array_agg(CASE WHEN r.refused IS NOT NULL
-                          THEN coalesce(r.refused ->> 'reason', 'no reason given') END),
-           array_agg(r.waiting)
-    INTO handles, services, priorities, acknowledged, reported, held, refusals, holds
-    FROM jsonb_to_recordset(answer -> 'results')
-         AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, held bigint, refused jsonb,
-              waiting text)
-    JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
-    JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
-                           AND NOT e.far_is_local;
-
-    FOR result IN
-        SELECT a.conversation_handle, a.reported, a.held, p.previously_transmitted, p.acknowledged_sequence,
-               e.send_sequence
-        FROM unnest(handles, reported, held) AS a(conversation_handle, reported, held)
-        JOIN broker.transmission_progress p ON p.conversation_handle = a.conversation_handle
-        JOIN broker.endpoints e ON e.conversation_handle = a.conversation_handle
-        WHERE a.reported < p.acknowledged_sequence OR a.held > p.previously_transmitted
-           OR a.reported > e.send_sequence
-    LOOP
-        IF result.reported < result.acknowledged_sequence THEN
-            IF broker._send_again(result.conversation_handle, result.reported, result.acknowledged_sequence) THEN
-                sent_again := sent_again || result.conversation_handle;
-            END IF;
-        ELSE
-            PERFORM broker._number_past(result.conversation_handle,
-                                        greatest(result.reported, result.held), result.previously_transmitted);
-        END IF;
-    END LOOP;
-
-    -- The acknowledged rows are found conversation by conversation through the
-    -- primary key (OFFSET 0 keeps the planner from making the lateral subquery
-    -- a join), then deleted where they lie, and kept for the resend window.  As
-    -- a join, the plan could scan the whole transmission queue for every
-    -- answer: a long queue (a peer down for days) would make every batch
-    -- slower.  A row that another transaction changed meanwhile is not
-    -- deleted: it is sent again, and acknowledged as a duplicate.
-    WITH acknowledged_rows AS (
-        SELECT d.ctid
-        FROM unnest(handles, services, priorities, acknowledged)
-                 AS a(conversation_handle, to_service, priority, acknowledged),
-             LATERAL (SELECT t.ctid FROM broker.transmission_queue t
-                      WHERE t.to_service = a.to_service AND t.priority = a.priority
-                        AND t.conversation_handle = a.conversation_handle
-                        AND t.message_sequence_number <= a.acknowledged
-                      OFFSET 0) d
-    ), removed AS (
-        DELETE FROM broker.transmission_queue t
-        WHERE t.ctid = ANY (ARRAY(SELECT r.ctid FROM acknowledged_rows r))
-        RETURNING t.*
-    ), kept AS (
-        INSERT INTO broker.acknowledged_messages (conversation_handle, message_sequence_number, message_type_id,
-                                                  body, enqueued_at, traceparent)
-        SELECT r.conversation_handle, r.message_sequence_number, r.message_type_id, r.body, r.enqueued_at,
-               r.traceparent
-        FROM removed r
-        WHERE (SELECT n.resend_window > interval '0' FROM broker.node n)
-    )
-    SELECT count(*) INTO delivered FROM removed;
-    UPDATE broker.transmission_progress p SET acknowledged_sequence = a.acknowledged
-    FROM unnest(handles, acknowledged) AS a(conversation_handle, acknowledged)
-    WHERE p.conversation_handle = a.conversation_handle AND a.acknowledged > p.acknowledged_sequence;
-    -- The far node answered for these: earlier failures no longer apply.
-    DELETE FROM broker.transmission_failures f
-    WHERE f.next_attempt_at <= now()
-      AND f.address IN (SELECT r.address FROM broker.routes r WHERE r.service_name = ANY (services))
-      AND EXISTS (SELECT 1 FROM unnest(handles) h WHERE h BETWEEN f.first_handle AND f.last_handle);
-    UPDATE broker.transmission_queue t
-    SET attempts = 0, transmission_status = 'sent; waiting for the numbers before it to be acknowledged'
-    FROM unnest(handles, refusals, holds) AS a(conversation_handle, refused, waiting)
-    WHERE t.conversation_handle = a.conversation_handle AND a.refused IS NULL AND a.waiting IS NULL
-      AND t.attempts > 0;
-
-    -- A conversation held back is tried again after a back-off that doubles
-    -- with each attempt, from a quarter of a second up to a minute.
-    FOR result IN
-        SELECT * FROM unnest(handles, services, priorities, refusals, holds)
-                 AS a(conversation_handle, to_service, priority, refused, waiting)
-        WHERE (a.refused IS NOT NULL OR a.waiting IS NOT NULL) AND a.conversation_handle <> ALL (sent_again)
-    LOOP
-        IF result.refused IS NOT NULL THEN
-            PERFORM broker._refused_by_far_side(broker._lock_endpoint(result.conversation_handle), result.refused);
-        ELSE
-            UPDATE broker.transmission_queue
-            SET transmission_status = 'the far node holds it back: ' || result.waiting,
-                attempts = attempts + 1,
-                next_attempt_at = now() + least(interval '60 seconds', interval '250 milliseconds' * 2 ^ attempts)
-            WHERE to_service = result.to_service AND priority = result.priority
-              AND conversation_handle = result.conversation_handle;
-        END IF;
-    END LOOP;
-    RETURN delivered;
-END $$;
+-- Records numbers of a conversation side that a database going back lost
+-- (see broker.lost_messages); the same numbers found again update the row.
+CREATE OR REPLACE FUNCTION broker._record_lost_messages(e broker.endpoints, direction text, first_number bigint,
+                                             last_number bigint, outcome text) RETURNS void
+LANGUAGE sql AS $$
+    INSERT INTO broker.lost_messages AS l (conversation_id, is_initiator, far_broker_instance, direction,
+                                           first_number, last_number, outcome)
+    VALUES (e.conversation_id, e.is_initiator, e.far_broker_instance, direction, first_number, last_number, outcome)
+    ON CONFLICT (conversation_id, is_initiator, direction, first_number) DO UPDATE
+    SET last_number = excluded.last_number, outcome = excluded.outcome, found_at = excluded.found_at;
+$$;
 
 -- Forgets the acknowledged messages older than broker.node.resend_window, at
 -- most max_messages of them; returns how many.  A running relay calls it every

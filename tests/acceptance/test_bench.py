@@ -14,6 +14,7 @@ AGAINST_PGMQ = {"send_batch to a local service", "send to a local service", "loc
                 "local receive, 4 readers"}
 SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", *AGAINST_PGMQ,
              *{f"{name} vs pgmq" for name in AGAINST_PGMQ}, "cross-node transfer", "cross-node transfer, traced",
+             "cross-node transfer, resend window",
              "cross-node latency (p50; p99 in details)", "REST send, then receive + complete",
              "RabbitMQ publish + consume", "Spark ingest", "cross-node at scale (min of the curve)"}
 # pgmq's SQL, when the machine has it (the bench never ships it): measured beside ours, else skipped.

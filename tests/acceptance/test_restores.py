@@ -92,7 +92,7 @@ class Going:
             self.cluster.restore_point("before")
         else:  # the standby stops receiving here, once it has replayed everything so far
             with psycopg2.connect(self.cluster.url()) as primary, primary.cursor() as cursor:
-                cursor.execute("SELECT pg_current_wal_lsn()")
+                cursor.execute("SELECT pg_current_wal_insert_lsn()")  # asynchronous commits too
                 lsn = cursor.fetchone()[0]
             wait_for(lambda: self._replayed(lsn), 30, "the standby to catch up")
             self.standby.stop("fast")

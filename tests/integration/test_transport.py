@@ -323,3 +323,59 @@ def test_a_forgotten_conversation_sent_again_is_acknowledged_not_reopened(nodes)
     assert answer.status_code == 200 and answer.json()["results"][0]["acknowledged"] == 2
     assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
     assert _stored(b) == []
+
+
+def test_a_conversation_unknown_here_is_opened_only_from_its_first_number(nodes):
+    """Its first messages are missing here (this database went back): recorded, answered as waiting, and taken
+    once they are sent again; a broker.error across the numbers its sender dropped still opens it."""
+    a, b = nodes
+    conversation = uuid.uuid4()
+    answer = _post(b, a, _encode(b, _batch(conversation, [5, 6]))).json()["results"][0]
+    assert (answer["acknowledged"], answer["held"]) == (0, 0)
+    assert "messages 1 to 4 of the conversation are missing here" in answer["waiting"]
+    assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
+    missing = "SELECT outcome FROM broker.lost_messages WHERE direction = 'received' AND first_number = 1"
+    assert b.scalar(missing + " AND last_number = 4") == "missing"
+
+    assert _post(b, a, _encode(b, _batch(conversation, range(1, 7)))).json()["results"][0]["acknowledged"] == 6
+    assert [n for n, _ in _stored(b)] == [1, 2, 3, 4, 5, 6]
+    assert b.scalar(missing) == "resent"
+
+    ended = uuid.uuid4()
+    error = _batch(ended, [3], message_type="broker.error", body=b'{"code": 7, "description": "cancelled"}')
+    assert _post(b, a, _encode(b, error)).json()["results"][0]["acknowledged"] == 3
+    assert b.scalar("SELECT state FROM broker.endpoints WHERE conversation_id = :c", c=ended) == "error"
+
+
+def test_accepting_a_batch_never_waits_for_a_conversation_an_application_holds(nodes):
+    """An application on b holds one conversation (it sent on it) while a's batch for two arrives: the other is
+    taken at once, the held one waits without a deadlock, and it arrives once the application commits."""
+    a, b = nodes
+    with a.engine.begin() as c:  # two in the same relay lane, so that one batch carries both
+        begun = [broker.begin_dialog(c, "shop", "warehouse", "orders") for _ in range(5)]
+        handles = [h for h in begun if h.hex[0] < "8"][:2] if sum(h.hex[0] < "8" for h in begun) >= 2 else \
+                  [h for h in begun if h.hex[0] >= "8"][:2]
+        for handle in handles:
+            broker.send(c, handle, "order.note", "first")
+    arrived = {m.conversation_id: m.conversation_handle for m in b.receive_all("warehouse_queue", 2)}
+    held, free = sorted(arrived)  # the application holds the one whose id comes first, which the batch locks first
+    with b.engine.connect() as application:
+        transaction = application.begin()
+        broker.send(application, arrived[held], "order.note", "a reply, not committed yet")
+        with a.engine.begin() as c:
+            for handle in handles:
+                broker.send(c, handle, "order.note", "second")
+        [other] = b.receive_all("warehouse_queue", 1)
+        assert (other.conversation_id, other.body) == (free, b"second")
+        wait_for(lambda: "an application transaction holds the conversation here" in a.scalar(
+            "SELECT string_agg(transmission_status, ' ') FROM broker.transmission_queue_status"), 30,
+            "a to say that the conversation waits")
+        for _ in range(20):  # and the node's own sessions never wait for the application's lock meanwhile
+            assert b.scalar("SELECT count(*) FROM pg_stat_activity"
+                            " WHERE datname = current_database() AND wait_event_type = 'Lock'") == 0
+            time.sleep(0.05)
+        broker.send(application, arrived[free], "order.note", "another reply")  # locks the other one too
+        transaction.commit()
+    [last] = b.receive_all("warehouse_queue", 1)
+    assert (last.conversation_id, last.body) == (held, b"second")
+    assert "deadlock" not in b.log.read_text()
