@@ -33,6 +33,9 @@ LOST_MESSAGES_ADVICE = {
                       "(broker.end_conversation): the finding goes when the conversation is forgotten"),
     "renumbered": ("warning", "the applications on both sides got a broker.renumbered message: reconcile the "
                               "numbers it names, which the far side may hold twice"),
+    "withheld": ("error", "the far node was unreachable for longer than it remembers ended conversations: ask its "
+                          "operator whether the conversation ended there; the messages are in the dead letters here "
+                          "(queue_position 0); send what still matters on a new conversation, then end this one"),
     "resent": ("ok", ""),
 }
 LOST_MESSAGES_SHOWN = 100

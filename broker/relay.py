@@ -46,7 +46,8 @@ IDLE_WAKE_S = 1.0
 DESTINATIONS_REFRESH_S = 1.0
 # Closes and acknowledgements forget old closed endpoints as they happen; on a
 # quiet node the relay does it now and then, so none outstays its retention.
-# Acknowledged messages past the resend window are forgotten at the same pace.
+# Acknowledged messages past the resend window are forgotten at the same pace, and
+# messages that waited longer than their peer remembers are withheld.
 FORGET_EVERY_S = 60.0
 
 NEXT_BATCH = ("COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s,"
@@ -59,6 +60,7 @@ APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, :last, :reason, :retry_after)")
 FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
 FORGET_ACKNOWLEDGED_MESSAGES = text("SELECT broker.forget_acknowledged_messages()")
+WITHHOLD_WHAT_PEERS_FORGOT = text("SELECT broker.withhold_what_peers_forgot()")
 # A message that a destination refuses as too large on its own is tried again this often (its limit may be raised).
 OVERSIZED_RETRY_S = 60.0
 
@@ -210,6 +212,7 @@ class Lane:
         if self.index == 0 and time.monotonic() >= self.forget_at:
             connection.execute(FORGET_CLOSED_ENDPOINTS)
             connection.execute(FORGET_ACKNOWLEDGED_MESSAGES)
+            connection.execute(WITHHOLD_WHAT_PEERS_FORGOT)
             connection.commit()
             self.forget_at = time.monotonic() + FORGET_EVERY_S
         if time.monotonic() >= self.destinations_at:

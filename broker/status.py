@@ -39,6 +39,9 @@ def lost_messages_explained(lost: dict[str, Any]) -> str:
                     "longer held: the conversation ended with broker.error -4",
             "renumbered": f"this database went back: the far node already held {numbers} from before, and the "
                           "messages after them were numbered past them (see the broker.renumbered message)",
+            "withheld": f"{numbers} waited longer than the far node remembers ended conversations: they were not "
+                        "sent, lest they reach it as new; they are in the dead letters and the conversation ended "
+                        "here with broker.error -5",
             "missing": numbers}[lost["outcome"]]
 
 

@@ -97,7 +97,7 @@ class LostMessages(BaseModel):
     direction: Literal["received", "sent"]
     first_number: int
     last_number: int
-    outcome: Literal["missing", "resent", "renumbered", "lost"]
+    outcome: Literal["missing", "resent", "renumbered", "lost", "withheld"]
     found_at: datetime
     explanation: str
 

@@ -1385,15 +1385,15 @@ BEGIN
         PERFORM broker._raise('BR020', format('conversation %s is %s: only one in error (quarantined, not yet ended) '
             'takes its dead letters back', e.conversation_handle, replace(e.state, '_', ' ')));
     END IF;
-    SELECT count(*) INTO resubmitted FROM broker.dead_letters d
-    WHERE d.queue_name = q.name AND d.conversation_handle = e.conversation_handle;
+    SELECT count(*) INTO resubmitted FROM broker.dead_letters d  -- what arrived: not what this side withheld
+    WHERE d.queue_name = q.name AND d.conversation_handle = e.conversation_handle AND d.queue_position > 0;
     IF resubmitted = 0 THEN
         RETURN 0;
     END IF;
     first_position := broker._next_queue_positions(resubmitted);
     WITH letters AS (
         DELETE FROM broker.dead_letters d
-        WHERE d.queue_name = q.name AND d.conversation_handle = e.conversation_handle
+        WHERE d.queue_name = q.name AND d.conversation_handle = e.conversation_handle AND d.queue_position > 0
         RETURNING d.*
     )
     INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,

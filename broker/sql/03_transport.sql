@@ -107,7 +107,9 @@ CREATE INDEX acknowledged_messages_age ON broker.acknowledged_messages USING bri
 -- that the far node already held (renumbered: this side's messages from
 -- first_number on were numbered past them).  A lost conversation ends with
 -- broker.error code -4 on both sides.  Rows go with their conversation when
--- it is forgotten.  broker diagnose reports the missing and the lost.
+-- it is forgotten.  Messages that waited longer than the far node remembers
+-- are withheld (see broker.withhold_what_peers_forgot).  broker diagnose
+-- reports the missing, the lost and the withheld.
 CREATE TABLE broker.lost_messages (
     conversation_id      uuid NOT NULL,
     is_initiator         boolean NOT NULL,  -- this side's
@@ -115,11 +117,19 @@ CREATE TABLE broker.lost_messages (
     direction            text NOT NULL CHECK (direction IN ('received', 'sent')),
     first_number         bigint NOT NULL,
     last_number          bigint NOT NULL,
-    outcome              text NOT NULL CHECK (outcome IN ('missing', 'resent', 'renumbered', 'lost')),
+    outcome              text NOT NULL CHECK (outcome IN ('missing', 'resent', 'renumbered', 'lost', 'withheld')),
     found_at             timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (conversation_id, is_initiator, direction, first_number)
 );
 CREATE INDEX lost_messages_missing ON broker.lost_messages (conversation_id) WHERE outcome = 'missing';
+
+-- How long each peer remembers a conversation it ended and forgot (its
+-- broker.node.tombstone_retention), as every answer of its says.
+CREATE TABLE broker.peer_retention (
+    broker_instance      uuid PRIMARY KEY,
+    tombstone_retention  interval NOT NULL,
+    learned_at           timestamptz NOT NULL DEFAULT now()
+);
 
 -- A message's attempts and status are those of the latest failure that covers
 -- it, or else its own (the far node held its conversation back).
@@ -670,6 +680,8 @@ BEGIN
     INTO one_by_one
     FROM left_over l;
     RETURN jsonb_build_object('broker_instance', (SELECT broker_instance FROM broker.node),
+                              'tombstone_retention_s', (SELECT extract(epoch FROM tombstone_retention)
+                                                        FROM broker.node),
                               'results', not_the_senders || in_bulk || one_by_one);
 END $$;
 COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
@@ -812,6 +824,14 @@ BEGIN
     JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
     JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
                            AND NOT e.far_is_local;
+
+    INSERT INTO broker.peer_retention AS p (broker_instance, tombstone_retention)
+    SELECT e.far_broker_instance, make_interval(secs => (answer ->> 'tombstone_retention_s')::float8)
+    FROM broker.endpoints e
+    WHERE e.conversation_handle = handles[1] AND answer ? 'tombstone_retention_s'
+    ON CONFLICT (broker_instance) DO UPDATE
+    SET tombstone_retention = excluded.tombstone_retention, learned_at = excluded.learned_at
+    WHERE p.tombstone_retention <> excluded.tombstone_retention;
 
     FOR result IN
         SELECT a.conversation_handle, a.reported, a.held, p.previously_transmitted, p.answered_sequence,
@@ -1011,6 +1031,70 @@ LANGUAGE sql AS $$
     ON CONFLICT (conversation_id, is_initiator, direction, first_number) DO UPDATE
     SET last_number = excluded.last_number, outcome = excluded.outcome, found_at = excluded.found_at;
 $$;
+
+-- A peer forgets a conversation it ended after its tombstone_retention (see
+-- broker.peer_retention): a message it has not acknowledged after that long
+-- may reach it after it forgot, and open the conversation anew.  So a
+-- conversation side whose oldest waiting message is older than its peer's
+-- retention, less margin, stops: what waits of it moves to the dead letters
+-- (queue_position 0: never delivered) with the reason, it ends here with a
+-- broker.error notice, code -5, and nothing more goes to the peer, which may
+-- not know it.  Conversations that an application holds are passed over
+-- until the next call.  Returns how many conversations stopped.  A running
+-- relay calls it every minute.
+CREATE FUNCTION broker.withhold_what_peers_forgot(margin interval DEFAULT '1 hour') RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    candidate record;
+    e broker.endpoints;
+    first_number bigint;
+    last_number bigint;
+    reason text;
+    stopped integer := 0;
+BEGIN
+    FOR candidate IN
+        SELECT o AS side, r.tombstone_retention AS retention
+        FROM (SELECT DISTINCT t.conversation_handle FROM broker.transmission_queue t
+              WHERE t.enqueued_at < now() - (SELECT min(r.tombstone_retention) FROM broker.peer_retention r) + margin
+             ) waiting
+        JOIN broker.endpoints o ON o.conversation_handle = waiting.conversation_handle AND NOT o.far_is_local
+        JOIN broker.peer_retention r ON r.broker_instance = o.far_broker_instance
+        WHERE EXISTS (SELECT 1 FROM broker.transmission_queue t
+                      WHERE t.to_service = o.far_service AND t.priority = o.priority
+                        AND t.conversation_handle = o.conversation_handle
+                        AND t.enqueued_at < now() - r.tombstone_retention + margin)
+        FOR UPDATE OF o SKIP LOCKED
+    LOOP
+        e := candidate.side;
+        reason := format('not sent: it waited longer than the far node remembers ended conversations (its '
+                         'tombstone_retention, %s), and could reach it as new', candidate.retention);
+        WITH withheld AS (
+            DELETE FROM broker.transmission_queue t
+            WHERE t.to_service = e.far_service AND t.priority = e.priority
+              AND t.conversation_handle = e.conversation_handle
+            RETURNING t.*
+        ), lettered AS (
+            INSERT INTO broker.dead_letters (queue_name, queue_position, conversation_handle, conversation_id,
+                                             message_sequence_number, message_type, body, enqueued_at,
+                                             failed_attempts, reason, traceparent)
+            SELECT q.name, 0, w.conversation_handle, w.conversation_id, w.message_sequence_number, mt.name, w.body,
+                   w.enqueued_at, w.attempts, reason, w.traceparent
+            FROM withheld w
+            JOIN broker.message_types mt USING (message_type_id)
+            JOIN broker.queues q ON q.queue_id = e.queue_id
+            RETURNING message_sequence_number
+        )
+        SELECT min(message_sequence_number), max(message_sequence_number) INTO first_number, last_number
+        FROM lettered;
+        UPDATE broker.endpoints SET state = 'error', timer_at = NULL WHERE conversation_handle = e.conversation_handle;
+        PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id,
+                                broker._error_body(-5, format('messages %s to %s were %s', first_number, last_number,
+                                                              reason)));
+        PERFORM broker._record_lost_messages(e, 'sent', first_number, last_number, 'withheld');
+        stopped := stopped + 1;
+    END LOOP;
+    RETURN stopped;
+END $$;
 
 -- Forgets the acknowledged messages older than broker.node.resend_window, at
 -- most max_messages of them; returns how many.  A running relay calls it every

@@ -80,7 +80,7 @@ BEGIN
         WHERE p.pronamespace = 'broker'::regnamespace
           AND (p.proname IN ('transport_batch', 'apply_transport_results', 'record_transport_failure',
                              'accept_transport_batch', 'forget_closed_endpoints', 'forget_acknowledged_messages',
-                             'fire_due_events')
+                             'withhold_what_peers_forgot', 'fire_due_events')
                OR left(p.proname, 1) = '_')
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO broker_relay', function_id);
@@ -93,6 +93,9 @@ END $$;
 ALTER FUNCTION broker.count_unreported_rollbacks(interval, integer) SECURITY DEFINER
     SET search_path = broker, pg_catalog, pg_temp;
 GRANT EXECUTE ON FUNCTION broker.count_unreported_rollbacks(interval, integer) TO broker_relay;
+-- So does withholding what a peer may have forgotten (broker.withhold_what_peers_forgot).
+ALTER FUNCTION broker.withhold_what_peers_forgot(interval) SECURITY DEFINER
+    SET search_path = broker, pg_catalog, pg_temp;
 
 GRANT SELECT ON broker.node, broker.routes, broker.message_types, broker.contracts, broker.contract_message_types,
                 broker.queues, broker.services, broker.service_contracts, broker.leases, broker.broker_priorities
@@ -104,7 +107,7 @@ GRANT SELECT (dead_letter_id, queue_name, conversation_handle, message_sequence_
 GRANT SELECT, INSERT, UPDATE, DELETE ON broker.endpoints, broker.conversation_groups, broker.queue_messages,
                                         broker.transmission_queue, broker.transmission_failures,
                                         broker.forgotten_conversations, broker.transmission_progress,
-                                        broker.acknowledged_messages, broker.lost_messages
+                                        broker.acknowledged_messages, broker.lost_messages, broker.peer_retention
     TO broker_relay;
 
 ------------------------------------------------------------------------------

@@ -62,6 +62,54 @@ BEGIN
     END IF;
 END $$;
 
+-- Puts a quarantined conversation's dead letters back into its queue, in
+-- order, to be processed again (after a fix): only while its side is in
+-- error, not yet ended by the application, whose replies it still refuses.
+-- Returns how many came back.
+CREATE OR REPLACE FUNCTION broker.resubmit_dead_letters(queue text, conversation_handle uuid) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    q broker.queues := broker._queue(queue);
+    e broker.endpoints;
+    resubmitted integer;
+    first_position bigint;
+BEGIN
+    SELECT * INTO e FROM broker.endpoints
+    WHERE endpoints.conversation_handle = broker._require('conversation_handle', resubmit_dead_letters.conversation_handle)
+      AND endpoints.queue_id = q.queue_id;
+    IF NOT FOUND THEN
+        PERFORM broker._raise('BR005', format('unknown conversation %s in queue %L (an ended one is forgotten)',
+            resubmit_dead_letters.conversation_handle, q.name));
+    END IF;
+    e := broker._lock_endpoint(e.conversation_handle);
+    IF e.state <> 'error' THEN
+        PERFORM broker._raise('BR020', format('conversation %s is %s: only one in error (quarantined, not yet ended) '
+            'takes its dead letters back', e.conversation_handle, replace(e.state, '_', ' ')));
+    END IF;
+    SELECT count(*) INTO resubmitted FROM broker.dead_letters d
+    WHERE d.queue_name = q.name AND d.conversation_handle = e.conversation_handle;
+    IF resubmitted = 0 THEN
+        RETURN 0;
+    END IF;
+    first_position := broker._next_queue_positions(resubmitted);
+    WITH letters AS (
+        DELETE FROM broker.dead_letters d
+        WHERE d.queue_name = q.name AND d.conversation_handle = e.conversation_handle
+        RETURNING d.*
+    )
+    INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
+                                       conversation_id, message_sequence_number, message_type_id, body, enqueued_at,
+                                       priority, traceparent)
+    SELECT q.queue_id, first_position + row_number() OVER (ORDER BY l.message_sequence_number, l.queue_position) - 1,
+           e.conversation_group_id, e.conversation_handle, e.conversation_id, l.message_sequence_number,
+           mt.message_type_id, l.body, l.enqueued_at, e.priority, l.traceparent
+    FROM letters l JOIN broker.message_types mt ON mt.name = l.message_type;
+    PERFORM pg_notify('broker_queue', q.queue_id::text);
+    RETURN resubmitted;
+END $$;
+COMMENT ON FUNCTION broker.resubmit_dead_letters(text, uuid) IS
+    'Puts a quarantined conversation''s dead letters back into its queue, in order; returns how many.';
+
 -- One conversation of a batch, in a subtransaction of its own so that a bad
 -- conversation never spoils the rest.  The result acknowledges the highest
 -- number held without a gap, and says why anything was refused.  A
@@ -287,6 +335,85 @@ BEGIN
     RETURN results;
 END $$;
 
+-- The batch is in pg_temp.incoming_transport_batch (rows of
+-- broker.transport_message, filled by COPY in this transaction): the steady
+-- state in bulk, the rest one conversation at a time, each in a subtransaction
+-- of its own so that a bad conversation never spoils the rest.  Anything the
+-- bulk path trips over sends the whole batch the careful way.
+--
+-- The conversations that are not the sender's are set aside first: those known
+-- here (by an endpoint, or by the tombstone of a forgotten one) other than as
+-- this node's side of a conversation with the sending node.  That is another
+-- peer's conversation, a local one, or the side this node holds itself.  Each
+-- is refused exactly as a conversation that does not exist is, so the sender
+-- learns nothing of it, and its rows leave the batch before anything else reads
+-- it: nothing of it changes.
+CREATE OR REPLACE FUNCTION broker.accept_transport_batch(from_instance uuid) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    not_the_senders jsonb;
+    in_bulk jsonb;
+    one_by_one jsonb;
+BEGIN
+    -- Each trace of the batch checked once: a malformed traceparent refuses the
+    -- whole batch (SQLSTATE 23514), before anything is stored.
+    PERFORM given::broker.traceparent
+    FROM (SELECT DISTINCT b.traceparent AS given FROM pg_temp.incoming_transport_batch b) traces;
+    WITH batch_conversations AS (
+        SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_transport_batch b
+    ), foreign_conversations AS (
+        SELECT c.* FROM batch_conversations c
+        WHERE EXISTS (SELECT 1 FROM broker.endpoints e
+                      WHERE e.conversation_id = c.conversation_id
+                        AND (e.is_initiator = c.sender_is_initiator OR e.far_is_local
+                             OR e.far_broker_instance IS DISTINCT FROM from_instance))
+           OR EXISTS (SELECT 1 FROM broker.forgotten_conversations f
+                      WHERE f.conversation_id = c.conversation_id
+                        AND (f.is_initiator = c.sender_is_initiator OR f.far_broker_instance <> from_instance))
+    ), set_aside AS (
+        DELETE FROM pg_temp.incoming_transport_batch b USING foreign_conversations f
+        WHERE b.conversation_id = f.conversation_id AND b.sender_is_initiator = f.sender_is_initiator
+    )
+    SELECT coalesce(jsonb_agg(jsonb_build_object(
+               'conversation_id', f.conversation_id, 'sender_is_initiator', f.sender_is_initiator, 'acknowledged', 0,
+               'refused', jsonb_build_object('sqlstate', 'BR005',
+                                             'reason', format('unknown conversation %s', f.conversation_id)))), '[]')
+    INTO not_the_senders
+    FROM foreign_conversations f;
+
+    BEGIN
+        in_bulk := broker._accept_in_bulk(from_instance);
+    EXCEPTION WHEN OTHERS THEN
+        in_bulk := '[]';
+    END;
+    WITH taken_in_bulk AS (
+        SELECT * FROM jsonb_to_recordset(in_bulk) AS r(conversation_id uuid, sender_is_initiator boolean)
+    ), left_over AS (
+        SELECT b.conversation_id, b.sender_is_initiator,
+               (array_agg(jsonb_build_object('conversation_id', b.conversation_id,
+                                             'sender_is_initiator', b.sender_is_initiator,
+                                             'from_service', b.from_service, 'to_service', b.to_service,
+                                             'contract', b.contract, 'expires_at', b.expires_at)
+                          ORDER BY b.sequence_number))[1] AS header,
+               jsonb_agg(jsonb_build_object('sequence_number', b.sequence_number, 'message_type', b.message_type,
+                                            'body', encode(b.body, 'base64'), 'traceparent', b.traceparent)
+                         ORDER BY b.sequence_number) AS messages
+        FROM pg_temp.incoming_transport_batch b
+        WHERE NOT EXISTS (SELECT 1 FROM taken_in_bulk t
+                          WHERE t.conversation_id = b.conversation_id AND t.sender_is_initiator = b.sender_is_initiator)
+        GROUP BY b.conversation_id, b.sender_is_initiator
+    )
+    SELECT coalesce(jsonb_agg(broker._accept_conversation(from_instance,
+                                                          l.header || jsonb_build_object('messages', l.messages))),
+                    '[]')
+    INTO one_by_one
+    FROM left_over l;
+    RETURN jsonb_build_object('broker_instance', (SELECT broker_instance FROM broker.node),
+                              'results', not_the_senders || in_bulk || one_by_one);
+END $$;
+COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
+    'Stores what comes next of each conversation of the batch in pg_temp.incoming_transport_batch; returns the acknowledgements.';
+
 -- The next batch for a destination, as rows of broker.transport_message for
 -- COPY, for the conversations whose handles fall in [first_handle,
 -- last_handle]: a relay splits the conversations among lanes that send at
@@ -504,10 +631,12 @@ END $$;
 COMMENT ON FUNCTION broker.forget_closed_endpoints(integer) IS
     'Forgets closed endpoints older than broker.node.closed_endpoint_retention; runs whenever an endpoint closes.';
 
+DROP FUNCTION broker.withhold_what_peers_forgot(interval);
 DROP FUNCTION broker.forget_acknowledged_messages(integer);
 DROP FUNCTION broker._number_past(uuid, bigint, bigint);
 DROP FUNCTION broker._send_again(uuid, bigint, bigint);
 DROP FUNCTION broker._record_lost_messages(broker.endpoints, text, bigint, bigint, text);
+DROP TABLE broker.peer_retention;
 DROP TABLE broker.lost_messages;
 DROP TABLE broker.acknowledged_messages;
 DROP TABLE broker.transmission_progress;

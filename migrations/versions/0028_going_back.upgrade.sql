@@ -61,7 +61,9 @@ CREATE INDEX acknowledged_messages_age ON broker.acknowledged_messages USING bri
 -- that the far node already held (renumbered: this side's messages from
 -- first_number on were numbered past them).  A lost conversation ends with
 -- broker.error code -4 on both sides.  Rows go with their conversation when
--- it is forgotten.  broker diagnose reports the missing and the lost.
+-- it is forgotten.  Messages that waited longer than the far node remembers
+-- are withheld (see broker.withhold_what_peers_forgot).  broker diagnose
+-- reports the missing, the lost and the withheld.
 CREATE TABLE broker.lost_messages (
     conversation_id      uuid NOT NULL,
     is_initiator         boolean NOT NULL,  -- this side's
@@ -69,11 +71,19 @@ CREATE TABLE broker.lost_messages (
     direction            text NOT NULL CHECK (direction IN ('received', 'sent')),
     first_number         bigint NOT NULL,
     last_number          bigint NOT NULL,
-    outcome              text NOT NULL CHECK (outcome IN ('missing', 'resent', 'renumbered', 'lost')),
+    outcome              text NOT NULL CHECK (outcome IN ('missing', 'resent', 'renumbered', 'lost', 'withheld')),
     found_at             timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (conversation_id, is_initiator, direction, first_number)
 );
 CREATE INDEX lost_messages_missing ON broker.lost_messages (conversation_id) WHERE outcome = 'missing';
+
+-- How long each peer remembers a conversation it ended and forgot (its
+-- broker.node.tombstone_retention), as every answer of its says.
+CREATE TABLE broker.peer_retention (
+    broker_instance      uuid PRIMARY KEY,
+    tombstone_retention  interval NOT NULL,
+    learned_at           timestamptz NOT NULL DEFAULT now()
+);
 
 -- What each conversation side had sent before this revision counts as
 -- transmitted and answered, and what no longer waits as acknowledged.
@@ -156,6 +166,54 @@ BEGIN
         PERFORM broker._enqueue(receiver, sequence_number, mt.message_type_id, body, traceparent);
     END IF;
 END $$;
+
+-- Puts a quarantined conversation's dead letters back into its queue, in
+-- order, to be processed again (after a fix): only while its side is in
+-- error, not yet ended by the application, whose replies it still refuses.
+-- Returns how many came back.
+CREATE OR REPLACE FUNCTION broker.resubmit_dead_letters(queue text, conversation_handle uuid) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    q broker.queues := broker._queue(queue);
+    e broker.endpoints;
+    resubmitted integer;
+    first_position bigint;
+BEGIN
+    SELECT * INTO e FROM broker.endpoints
+    WHERE endpoints.conversation_handle = broker._require('conversation_handle', resubmit_dead_letters.conversation_handle)
+      AND endpoints.queue_id = q.queue_id;
+    IF NOT FOUND THEN
+        PERFORM broker._raise('BR005', format('unknown conversation %s in queue %L (an ended one is forgotten)',
+            resubmit_dead_letters.conversation_handle, q.name));
+    END IF;
+    e := broker._lock_endpoint(e.conversation_handle);
+    IF e.state <> 'error' THEN
+        PERFORM broker._raise('BR020', format('conversation %s is %s: only one in error (quarantined, not yet ended) '
+            'takes its dead letters back', e.conversation_handle, replace(e.state, '_', ' ')));
+    END IF;
+    SELECT count(*) INTO resubmitted FROM broker.dead_letters d  -- what arrived: not what this side withheld
+    WHERE d.queue_name = q.name AND d.conversation_handle = e.conversation_handle AND d.queue_position > 0;
+    IF resubmitted = 0 THEN
+        RETURN 0;
+    END IF;
+    first_position := broker._next_queue_positions(resubmitted);
+    WITH letters AS (
+        DELETE FROM broker.dead_letters d
+        WHERE d.queue_name = q.name AND d.conversation_handle = e.conversation_handle AND d.queue_position > 0
+        RETURNING d.*
+    )
+    INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
+                                       conversation_id, message_sequence_number, message_type_id, body, enqueued_at,
+                                       priority, traceparent)
+    SELECT q.queue_id, first_position + row_number() OVER (ORDER BY l.message_sequence_number, l.queue_position) - 1,
+           e.conversation_group_id, e.conversation_handle, e.conversation_id, l.message_sequence_number,
+           mt.message_type_id, l.body, l.enqueued_at, e.priority, l.traceparent
+    FROM letters l JOIN broker.message_types mt ON mt.name = l.message_type;
+    PERFORM pg_notify('broker_queue', q.queue_id::text);
+    RETURN resubmitted;
+END $$;
+COMMENT ON FUNCTION broker.resubmit_dead_letters(text, uuid) IS
+    'Puts a quarantined conversation''s dead letters back into its queue, in order; returns how many.';
 
 -- One conversation of a batch, in a subtransaction of its own so that a bad
 -- conversation never spoils the rest.  The result acknowledges the highest
@@ -433,6 +491,87 @@ BEGIN
     RETURN results;
 END $$;
 
+-- The batch is in pg_temp.incoming_transport_batch (rows of
+-- broker.transport_message, filled by COPY in this transaction): the steady
+-- state in bulk, the rest one conversation at a time, each in a subtransaction
+-- of its own so that a bad conversation never spoils the rest.  Anything the
+-- bulk path trips over sends the whole batch the careful way.
+--
+-- The conversations that are not the sender's are set aside first: those known
+-- here (by an endpoint, or by the tombstone of a forgotten one) other than as
+-- this node's side of a conversation with the sending node.  That is another
+-- peer's conversation, a local one, or the side this node holds itself.  Each
+-- is refused exactly as a conversation that does not exist is, so the sender
+-- learns nothing of it, and its rows leave the batch before anything else reads
+-- it: nothing of it changes.
+CREATE OR REPLACE FUNCTION broker.accept_transport_batch(from_instance uuid) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    not_the_senders jsonb;
+    in_bulk jsonb;
+    one_by_one jsonb;
+BEGIN
+    -- Each trace of the batch checked once: a malformed traceparent refuses the
+    -- whole batch (SQLSTATE 23514), before anything is stored.
+    PERFORM given::broker.traceparent
+    FROM (SELECT DISTINCT b.traceparent AS given FROM pg_temp.incoming_transport_batch b) traces;
+    WITH batch_conversations AS (
+        SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_transport_batch b
+    ), foreign_conversations AS (
+        SELECT c.* FROM batch_conversations c
+        WHERE EXISTS (SELECT 1 FROM broker.endpoints e
+                      WHERE e.conversation_id = c.conversation_id
+                        AND (e.is_initiator = c.sender_is_initiator OR e.far_is_local
+                             OR e.far_broker_instance IS DISTINCT FROM from_instance))
+           OR EXISTS (SELECT 1 FROM broker.forgotten_conversations f
+                      WHERE f.conversation_id = c.conversation_id
+                        AND (f.is_initiator = c.sender_is_initiator OR f.far_broker_instance <> from_instance))
+    ), set_aside AS (
+        DELETE FROM pg_temp.incoming_transport_batch b USING foreign_conversations f
+        WHERE b.conversation_id = f.conversation_id AND b.sender_is_initiator = f.sender_is_initiator
+    )
+    SELECT coalesce(jsonb_agg(jsonb_build_object(
+               'conversation_id', f.conversation_id, 'sender_is_initiator', f.sender_is_initiator, 'acknowledged', 0,
+               'refused', jsonb_build_object('sqlstate', 'BR005',
+                                             'reason', format('unknown conversation %s', f.conversation_id)))), '[]')
+    INTO not_the_senders
+    FROM foreign_conversations f;
+
+    BEGIN
+        in_bulk := broker._accept_in_bulk(from_instance);
+    EXCEPTION WHEN OTHERS THEN
+        in_bulk := '[]';
+    END;
+    WITH taken_in_bulk AS (
+        SELECT * FROM jsonb_to_recordset(in_bulk) AS r(conversation_id uuid, sender_is_initiator boolean)
+    ), left_over AS (
+        SELECT b.conversation_id, b.sender_is_initiator,
+               (array_agg(jsonb_build_object('conversation_id', b.conversation_id,
+                                             'sender_is_initiator', b.sender_is_initiator,
+                                             'from_service', b.from_service, 'to_service', b.to_service,
+                                             'contract', b.contract, 'expires_at', b.expires_at)
+                          ORDER BY b.sequence_number))[1] AS header,
+               jsonb_agg(jsonb_build_object('sequence_number', b.sequence_number, 'message_type', b.message_type,
+                                            'body', encode(b.body, 'base64'), 'traceparent', b.traceparent)
+                         ORDER BY b.sequence_number) AS messages
+        FROM pg_temp.incoming_transport_batch b
+        WHERE NOT EXISTS (SELECT 1 FROM taken_in_bulk t
+                          WHERE t.conversation_id = b.conversation_id AND t.sender_is_initiator = b.sender_is_initiator)
+        GROUP BY b.conversation_id, b.sender_is_initiator
+    )
+    SELECT coalesce(jsonb_agg(broker._accept_conversation(from_instance,
+                                                          l.header || jsonb_build_object('messages', l.messages))),
+                    '[]')
+    INTO one_by_one
+    FROM left_over l;
+    RETURN jsonb_build_object('broker_instance', (SELECT broker_instance FROM broker.node),
+                              'tombstone_retention_s', (SELECT extract(epoch FROM tombstone_retention)
+                                                        FROM broker.node),
+                              'results', not_the_senders || in_bulk || one_by_one);
+END $$;
+COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
+    'Stores what comes next of each conversation of the batch in pg_temp.incoming_transport_batch; returns the acknowledgements.';
+
 -- The next batch for a destination, as rows of broker.transport_message for
 -- COPY, for the conversations whose handles fall in [first_handle,
 -- last_handle]: a relay splits the conversations among lanes that send at
@@ -566,6 +705,14 @@ BEGIN
     JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
     JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
                            AND NOT e.far_is_local;
+
+    INSERT INTO broker.peer_retention AS p (broker_instance, tombstone_retention)
+    SELECT e.far_broker_instance, make_interval(secs => (answer ->> 'tombstone_retention_s')::float8)
+    FROM broker.endpoints e
+    WHERE e.conversation_handle = handles[1] AND answer ? 'tombstone_retention_s'
+    ON CONFLICT (broker_instance) DO UPDATE
+    SET tombstone_retention = excluded.tombstone_retention, learned_at = excluded.learned_at
+    WHERE p.tombstone_retention <> excluded.tombstone_retention;
 
     FOR result IN
         SELECT a.conversation_handle, a.reported, a.held, p.previously_transmitted, p.answered_sequence,
@@ -830,6 +977,70 @@ LANGUAGE sql AS $$
     SET last_number = excluded.last_number, outcome = excluded.outcome, found_at = excluded.found_at;
 $$;
 
+-- A peer forgets a conversation it ended after its tombstone_retention (see
+-- broker.peer_retention): a message it has not acknowledged after that long
+-- may reach it after it forgot, and open the conversation anew.  So a
+-- conversation side whose oldest waiting message is older than its peer's
+-- retention, less margin, stops: what waits of it moves to the dead letters
+-- (queue_position 0: never delivered) with the reason, it ends here with a
+-- broker.error notice, code -5, and nothing more goes to the peer, which may
+-- not know it.  Conversations that an application holds are passed over
+-- until the next call.  Returns how many conversations stopped.  A running
+-- relay calls it every minute.
+CREATE OR REPLACE FUNCTION broker.withhold_what_peers_forgot(margin interval DEFAULT '1 hour') RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    candidate record;
+    e broker.endpoints;
+    first_number bigint;
+    last_number bigint;
+    reason text;
+    stopped integer := 0;
+BEGIN
+    FOR candidate IN
+        SELECT o AS side, r.tombstone_retention AS retention
+        FROM (SELECT DISTINCT t.conversation_handle FROM broker.transmission_queue t
+              WHERE t.enqueued_at < now() - (SELECT min(r.tombstone_retention) FROM broker.peer_retention r) + margin
+             ) waiting
+        JOIN broker.endpoints o ON o.conversation_handle = waiting.conversation_handle AND NOT o.far_is_local
+        JOIN broker.peer_retention r ON r.broker_instance = o.far_broker_instance
+        WHERE EXISTS (SELECT 1 FROM broker.transmission_queue t
+                      WHERE t.to_service = o.far_service AND t.priority = o.priority
+                        AND t.conversation_handle = o.conversation_handle
+                        AND t.enqueued_at < now() - r.tombstone_retention + margin)
+        FOR UPDATE OF o SKIP LOCKED
+    LOOP
+        e := candidate.side;
+        reason := format('not sent: it waited longer than the far node remembers ended conversations (its '
+                         'tombstone_retention, %s), and could reach it as new', candidate.retention);
+        WITH withheld AS (
+            DELETE FROM broker.transmission_queue t
+            WHERE t.to_service = e.far_service AND t.priority = e.priority
+              AND t.conversation_handle = e.conversation_handle
+            RETURNING t.*
+        ), lettered AS (
+            INSERT INTO broker.dead_letters (queue_name, queue_position, conversation_handle, conversation_id,
+                                             message_sequence_number, message_type, body, enqueued_at,
+                                             failed_attempts, reason, traceparent)
+            SELECT q.name, 0, w.conversation_handle, w.conversation_id, w.message_sequence_number, mt.name, w.body,
+                   w.enqueued_at, w.attempts, reason, w.traceparent
+            FROM withheld w
+            JOIN broker.message_types mt USING (message_type_id)
+            JOIN broker.queues q ON q.queue_id = e.queue_id
+            RETURNING message_sequence_number
+        )
+        SELECT min(message_sequence_number), max(message_sequence_number) INTO first_number, last_number
+        FROM lettered;
+        UPDATE broker.endpoints SET state = 'error', timer_at = NULL WHERE conversation_handle = e.conversation_handle;
+        PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id,
+                                broker._error_body(-5, format('messages %s to %s were %s', first_number, last_number,
+                                                              reason)));
+        PERFORM broker._record_lost_messages(e, 'sent', first_number, last_number, 'withheld');
+        stopped := stopped + 1;
+    END LOOP;
+    RETURN stopped;
+END $$;
+
 -- Forgets the acknowledged messages older than broker.node.resend_window, at
 -- most max_messages of them; returns how many.  A running relay calls it every
 -- minute.
@@ -848,12 +1059,14 @@ $$;
 
 REVOKE EXECUTE ON FUNCTION broker._record_lost_messages(broker.endpoints, text, bigint, bigint, text),
                            broker._send_again(uuid, bigint, bigint), broker._number_past(uuid, bigint, bigint),
-                           broker.forget_acknowledged_messages(integer)
+                           broker.forget_acknowledged_messages(integer), broker.withhold_what_peers_forgot(interval)
     FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION broker._record_lost_messages(broker.endpoints, text, bigint, bigint, text),
                           broker._send_again(uuid, bigint, bigint), broker._number_past(uuid, bigint, bigint),
-                          broker.forget_acknowledged_messages(integer)
+                          broker.forget_acknowledged_messages(integer), broker.withhold_what_peers_forgot(interval)
     TO broker_relay;
+ALTER FUNCTION broker.withhold_what_peers_forgot(interval) SECURITY DEFINER
+    SET search_path = broker, pg_catalog, pg_temp;
 GRANT SELECT, INSERT, UPDATE, DELETE ON broker.transmission_progress, broker.acknowledged_messages,
-                                        broker.lost_messages
+                                        broker.lost_messages, broker.peer_retention
     TO broker_relay;

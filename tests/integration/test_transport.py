@@ -379,3 +379,38 @@ def test_accepting_a_batch_never_waits_for_a_conversation_an_application_holds(n
     [last] = b.receive_all("warehouse_queue", 1)
     assert (last.conversation_id, last.body) == (held, b"second")
     assert "deadlock" not in b.log.read_text()
+
+
+def test_messages_that_waited_longer_than_the_peer_remembers_are_withheld_not_sent_as_new(nodes):
+    """b learns nothing of it: a message a has held unacknowledged for longer than b keeps its tombstones might
+    open a conversation that b ended and forgot.  a stops that conversation instead, and says so."""
+    from tests.integration.test_diagnose import _diagnose
+
+    a, b = nodes
+    with a.engine.begin() as c:
+        handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
+        broker.send(c, handle, "order.note", "delivered")
+    b.receive_all("warehouse_queue", 1)
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the acknowledgement")
+    assert a.scalar("SELECT tombstone_retention FROM broker.peer_retention WHERE broker_instance = :b",
+                    b=b.instance) == timedelta(days=90)
+    b.stop()
+    with a.engine.begin() as c:
+        for body in ("held back", "and this"):
+            broker.send(c, handle, "order.note", body)
+        c.execute(text("UPDATE broker.transmission_queue SET enqueued_at = now() - interval '90 days'"))
+    with a.engine.begin() as c:
+        assert c.execute(text("SELECT broker.withhold_what_peers_forgot()")).scalar_one() == 1
+    assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0
+    with a.engine.connect() as c:
+        letters = c.execute(text("SELECT message_sequence_number, convert_from(body, 'UTF8'), reason, queue_position"
+                                 " FROM broker.dead_letters ORDER BY 1")).all()
+    assert [(n, body, position) for n, body, _, position in letters] == [(2, "held back", 0), (3, "and this", 0)]
+    assert "waited longer than the far node remembers ended conversations" in letters[0][2]
+    with a.engine.begin() as c:
+        [notice] = broker.receive(c, "shop_queue", 10)
+    assert notice.message_type == "broker.error" and notice.json()["code"] == -5
+    code, findings = _diagnose(a)
+    assert code == 1
+    [withheld] = [f for f in findings if f["check"].startswith("conversation ")]
+    assert withheld["level"] == "error" and "messages 2 to 3 waited longer" in withheld["finding"]
