@@ -1,0 +1,94 @@
+"""This release and the previous one, installed from the git history, on two real nodes: conversations begun on
+either side cross both ways, each message once and in order; and this release's migrations apply to a node of the
+previous release while it serves."""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import broker
+from broker import migrate as this_release
+from tests.conftest import _fresh_database
+from tests.nodes import SECRET, Node, define_node
+from tests.releases import PREVIOUS_RELEASE, checkout, migrate
+
+pytestmark = pytest.mark.slow
+REVISION = "SELECT version_num FROM public.broker_alembic_version"
+
+
+@pytest.fixture(scope="module")
+def previous_release(tmp_path_factory):
+    return checkout(PREVIOUS_RELEASE, tmp_path_factory.mktemp("previous-release"))
+
+
+@pytest.fixture
+def mixed_pair(request, admin_url, template_database, tmp_path, previous_release):
+    """Nodes a (shop) and b (warehouse), serving; the one named by the parameter runs the previous release on a
+    database that release migrated."""
+    previous = request.param
+    databases = {name: _fresh_database(admin_url, "template1" if name == previous else template_database)
+                 for name in "ab"}
+    urls = {name: next(database) for name, database in databases.items()}
+    migrate(previous_release, urls[previous])
+    nodes = {name: Node(name, urls[name], tmp_path) for name in "ab"}
+    nodes[previous].release = previous_release
+    a, b = nodes["a"], nodes["b"]
+    define_node(a, "shop_queue", "shop")
+    define_node(b, "warehouse_queue", "warehouse")
+    with a.engine.begin() as c:
+        broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
+    with b.engine.begin() as c:
+        broker.create_route(c, "shop", a.address, a.instance, SECRET)
+    a.start()
+    b.start()
+    yield a, b, nodes[previous]
+    for node in (a, b):
+        node.stop()
+        node.engine.dispose()
+    for database in databases.values():
+        next(database, None)
+
+
+def converse(sender, receiver, from_service, to_service, label):
+    """Three conversations of ten messages each from sender, received in order; a reply and an end on each."""
+    queues = {"shop": "shop_queue", "warehouse": "warehouse_queue"}
+    with sender.engine.begin() as c:
+        handles = [broker.begin_dialog(c, from_service, to_service, "orders") for _ in range(3)]
+        for i in range(30):
+            broker.send(c, handles[i % 3], "order.note", f"{label} {i}".encode())
+    by_conversation = {}
+    for message in receiver.receive_all(queues[to_service], 30):
+        by_conversation.setdefault(message.conversation_handle, []).append(message)
+    assert sorted(len(messages) for messages in by_conversation.values()) == [10, 10, 10]
+    for messages in by_conversation.values():
+        assert [m.message_sequence_number for m in messages] == list(range(1, 11))
+    with receiver.engine.begin() as c:
+        for handle in by_conversation:
+            broker.send(c, handle, "order.note", b"reply")
+            broker.end_conversation(c, handle)
+    replies = sender.receive_all(queues[from_service], 6)
+    assert sorted(m.message_type for m in replies) == ["broker.end_dialog"] * 3 + ["order.note"] * 3
+
+
+@pytest.mark.parametrize("mixed_pair", ["a", "b"], indirect=True)
+def test_a_node_of_the_previous_release_converses_with_this_one_both_ways(mixed_pair):
+    a, b, previous = mixed_pair
+    assert previous.scalar(REVISION) == "0027"
+    assert {a, b} - {previous} == {node for node in (a, b) if node.scalar(REVISION) == this_release.head_revision()}
+    converse(a, b, "shop", "warehouse", "from a")
+    converse(b, a, "warehouse", "shop", "from b")
+
+
+@pytest.mark.parametrize("mixed_pair", ["a"], indirect=True)
+def test_this_releases_migrations_apply_while_a_node_of_the_previous_release_serves(mixed_pair):
+    a, b, previous = mixed_pair
+    with ThreadPoolExecutor(1) as traffic:
+        flowing = traffic.submit(converse, a, b, "shop", "warehouse", "during")
+        this_release.upgrade(a.database_url)
+        flowing.result()
+    assert a.scalar(REVISION) == this_release.head_revision()
+    converse(a, b, "shop", "warehouse", "after, schema upgraded")
+    a.stop()
+    a.release = None
+    a.start()
+    converse(a, b, "shop", "warehouse", "after, node upgraded")
+    converse(b, a, "warehouse", "shop", "back")
