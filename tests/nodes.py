@@ -102,12 +102,8 @@ def define_node(node, queue, service):
         broker.create_service(c, service, queue, ["orders"])
 
 
-def two_nodes(admin_url, template_database, tmp_path, tls=(None, None)):
-    """Node a (the shop) and node b (the warehouse), each routing to the other, both serving."""
-    from tests.conftest import _fresh_database
-
-    databases = [_fresh_database(admin_url, template_database) for _ in range(2)]
-    a, b = (Node(name, next(db), tmp_path, tls=node_tls) for name, db, node_tls in zip("ab", databases, tls))
+def serve_pair(a, b):
+    """Node a made the shop and node b the warehouse, each routing to the other, both started."""
     define_node(a, "shop_queue", "shop")
     define_node(b, "warehouse_queue", "warehouse")
     with a.engine.begin() as c:
@@ -116,9 +112,22 @@ def two_nodes(admin_url, template_database, tmp_path, tls=(None, None)):
         broker.create_route(c, "shop", a.address, a.instance, SECRET)
     a.start()
     b.start()
-    yield a, b
-    for node in (a, b):
+
+
+def stop_all(*nodes):
+    for node in nodes:
         node.stop()
         node.engine.dispose()
+
+
+def two_nodes(admin_url, template_database, tmp_path, tls=(None, None)):
+    """Node a (the shop) and node b (the warehouse), each routing to the other, both serving."""
+    from tests.conftest import _fresh_database
+
+    databases = [_fresh_database(admin_url, template_database) for _ in range(2)]
+    a, b = (Node(name, next(db), tmp_path, tls=node_tls) for name, db, node_tls in zip("ab", databases, tls))
+    serve_pair(a, b)
+    yield a, b
+    stop_all(a, b)
     for db in databases:
         next(db, None)

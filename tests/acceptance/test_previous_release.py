@@ -8,7 +8,7 @@ import pytest
 import broker
 from broker import migrate as this_release
 from tests.conftest import _fresh_database
-from tests.nodes import SECRET, Node, define_node
+from tests.nodes import Node, serve_pair, stop_all
 from tests.releases import PREVIOUS_RELEASE, checkout, migrate
 
 pytestmark = pytest.mark.slow
@@ -31,19 +31,9 @@ def mixed_pair(request, admin_url, template_database, tmp_path, previous_release
     migrate(previous_release, urls[previous])
     nodes = {name: Node(name, urls[name], tmp_path) for name in "ab"}
     nodes[previous].release = previous_release
-    a, b = nodes["a"], nodes["b"]
-    define_node(a, "shop_queue", "shop")
-    define_node(b, "warehouse_queue", "warehouse")
-    with a.engine.begin() as c:
-        broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
-    with b.engine.begin() as c:
-        broker.create_route(c, "shop", a.address, a.instance, SECRET)
-    a.start()
-    b.start()
-    yield a, b, nodes[previous]
-    for node in (a, b):
-        node.stop()
-        node.engine.dispose()
+    serve_pair(nodes["a"], nodes["b"])
+    yield nodes["a"], nodes["b"], nodes[previous]
+    stop_all(*nodes.values())
     for database in databases.values():
         next(database, None)
 

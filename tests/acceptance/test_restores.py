@@ -13,7 +13,7 @@ from broker import migrate
 from tests.clusters import Cluster
 from tests.conftest import _fresh_database, admin_execute
 from tests.integration.test_diagnose import _diagnose
-from tests.nodes import SECRET, Node, define_node, wait_for
+from tests.nodes import SECRET, Node, define_node, serve_pair, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -28,18 +28,9 @@ def pair(admin_url, template_database, tmp_path):
     migrate.upgrade(cluster.url("warehouse"))
     a_database = _fresh_database(admin_url, template_database)
     a, b = Node("a", next(a_database), tmp_path), Node("b", cluster.url("warehouse"), tmp_path)
-    define_node(a, "shop_queue", "shop")
-    define_node(b, "warehouse_queue", "warehouse")
-    with a.engine.begin() as c:
-        broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
-    with b.engine.begin() as c:
-        broker.create_route(c, "shop", a.address, a.instance, SECRET)
-    a.start()
-    b.start()
+    serve_pair(a, b)
     yield a, b, cluster
-    for node in (a, b):
-        node.stop()
-        node.engine.dispose()
+    stop_all(a, b)
     cluster.stop("immediate")
     next(a_database, None)
 
@@ -250,9 +241,7 @@ def test_both_nodes_taken_back_to_the_same_moment_go_on_from_there_with_nothing_
         send(a, handles, 30, "after")  # lost on both sides alike
         received(b, "warehouse_queue", 30)
         drained(a, b)
-        for node in (a, b):
-            node.stop()
-            node.engine.dispose()
+        stop_all(a, b)
         a, b = (Node(node.name, cluster.restore(backups[cluster]).url(database), tmp_path, port=node.port)
                 for node, cluster, database in ((a, a_cluster, "shop"), (b, b_cluster, "warehouse")))
         a.start()
