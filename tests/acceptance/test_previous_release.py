@@ -77,8 +77,11 @@ def test_this_releases_migrations_apply_while_a_node_of_the_previous_release_ser
         flowing.result()
     assert a.scalar(REVISION) == this_release.head_revision()
     converse(a, b, "shop", "warehouse", "after, schema upgraded")
-    a.stop()
-    a.release = None
-    a.start()
+    with ThreadPoolExecutor(1) as traffic:  # b's messages to a, and a's replies, while a's process is upgraded
+        flowing = traffic.submit(converse, b, a, "warehouse", "shop", "during the node's upgrade")
+        a.stop()
+        a.release = None
+        a.start()
+        flowing.result()
     converse(a, b, "shop", "warehouse", "after, node upgraded")
     converse(b, a, "warehouse", "shop", "back")
