@@ -75,7 +75,7 @@ def main() -> None:
 
 def failure_line(error: Exception) -> str:
     """What failed and what to do, in one line, with any password masked."""
-    if isinstance(error, MissingExtra):
+    if isinstance(error, (MissingExtra, migrations.OlderThanBaseline)):
         return str(error)
     cause = getattr(error, "orig", None) or error  # SQLAlchemy wraps the driver's error
     words = str(cause).strip()

@@ -11,11 +11,20 @@ from broker import schema
 # Our own version table, so that an application's Alembic history in the same
 # database stays its own.
 VERSION_TABLE = "broker_alembic_version"
-LOCK_FIRST_BUILD = text("SELECT pg_advisory_xact_lock(hashtext('broker schema build'))")
 SCHEMA_EXISTS = text(f"SELECT to_regnamespace('broker') IS NOT NULL"
                      f" OR to_regclass('public.{VERSION_TABLE}') IS NOT NULL")
 # broker/sql/ creates the version table as Alembic does (it grants on it); the row is Alembic's stamp.
 STAMP = text(f"INSERT INTO public.{VERSION_TABLE} (version_num) VALUES (:revision)")
+REVISIONS_HELD = text(f"SELECT version_num FROM public.{VERSION_TABLE}")
+VERSION_TABLE_EXISTS = text(f"SELECT to_regclass('public.{VERSION_TABLE}') IS NOT NULL")
+# The revisions up to the baseline were squashed into it; the last release that holds them all upgrades a database
+# from any of them to the baseline.
+BASELINE = "0028"
+LAST_RELEASE_BEFORE_BASELINE = "b38c60a"
+
+
+class OlderThanBaseline(Exception):
+    """The database is at a revision squashed into the baseline: an earlier release must upgrade it first."""
 
 
 def run_sql_file(path: Path) -> None:
@@ -44,7 +53,8 @@ def head_revision() -> str:
 
 def upgrade(database_url: str, revision: str = "head") -> None:
     """To head: a database without the broker's schema is built from its definition (broker/sql/) and
-    stamped, in one transaction; any other goes through the revisions, which hold the deltas."""
+    stamped, in one transaction; any other goes through the revisions, which change its tables, and then gets the
+    function files that changed (migrations/env.py)."""
     if revision != "head" or not _build_if_empty(database_url):
         command.upgrade(alembic_config(database_url), revision)
 
@@ -54,7 +64,7 @@ def _build_if_empty(database_url: str) -> bool:
     engine = create_engine(database_url)
     try:
         with engine.begin() as connection:
-            connection.execute(LOCK_FIRST_BUILD)  # two processes starting on one new database build it once
+            connection.execute(schema.LOCK_SCHEMA_CHANGES)  # two processes starting on one new database build it once
             if connection.execute(SCHEMA_EXISTS).scalar_one():
                 return False
             schema.create(connection)
@@ -62,6 +72,21 @@ def _build_if_empty(database_url: str) -> bool:
         return True
     finally:
         engine.dispose()
+
+
+def refuse_older_than_baseline(connection) -> None:
+    """Raises OlderThanBaseline when the database holds a revision that this release no longer has."""
+    from alembic.script import ScriptDirectory
+
+    if not connection.execute(VERSION_TABLE_EXISTS).scalar_one():
+        return
+    known = {revision.revision for revision in ScriptDirectory.from_config(alembic_config("")).walk_revisions()}
+    for held in connection.execute(REVISIONS_HELD).scalars():
+        if held not in known:
+            raise OlderThanBaseline(
+                f"the database's broker schema is at revision {held}, older than this release's baseline "
+                f"{BASELINE}: upgrade it first with the release of commit {LAST_RELEASE_BEFORE_BASELINE} "
+                f"(its `broker migrate` takes it to {BASELINE}), then run `broker migrate` again with this one")
 
 
 def downgrade(database_url: str, revision: str = "base") -> None:

@@ -1,26 +1,68 @@
-"""The broker's SQL API from its one definition: broker/sql/*.sql, applied in file order.
+"""The broker's SQL from its one definition, broker/sql/.
 
-A fresh database is built from these files; an existing one is upgraded through the Alembic
-revisions, which hold only the deltas.  tests/migrations/test_schema_definition.py keeps both the same.
+schema/*.sql holds the tables, types and views: a new database runs them once, and after that the revisions in
+migrations/versions change them.  functions/*.sql holds every function: each file is applied again, as a whole,
+whenever its text changes, as repeatable migrations are; broker.function_files keeps the SHA-256 of each file as
+it was last applied.  tests/migrations/test_schema_definition.py checks that a database built from here equals one
+built by the revisions.
 """
+import hashlib
 from importlib import resources
 from importlib.resources.abc import Traversable
 
+from sqlalchemy import text
 
-def definition_files() -> list[Traversable]:
-    """The definition files, in the order they are applied."""
-    folder = resources.files("broker") / "sql"
-    return sorted((file for file in folder.iterdir() if file.name.endswith(".sql")), key=lambda file: file.name)
+# Two processes that build or upgrade one database at once do it one after the other.
+LOCK_SCHEMA_CHANGES = text("SELECT pg_advisory_xact_lock(hashtext('broker schema build'))")
+FUNCTION_FILES_APPLIED = text("SELECT file_name, sha256 FROM broker.function_files")
+RECORD_FUNCTION_FILE = text(
+    "INSERT INTO broker.function_files (file_name, sha256) VALUES (:file_name, :sha256)"
+    " ON CONFLICT (file_name) DO UPDATE SET sha256 = excluded.sha256")
+FUNCTION_PRIVILEGES = "function_privileges.sql"
+
+
+def _sql_files(folder: str) -> list[Traversable]:
+    """The .sql files of a folder of broker/sql/, in the order they are applied."""
+    directory = resources.files("broker") / "sql" / folder
+    return sorted((file for file in directory.iterdir() if file.name.endswith(".sql")), key=lambda file: file.name)
+
+
+def schema_files() -> list[Traversable]:
+    return _sql_files("schema")
+
+
+def function_files() -> list[Traversable]:
+    return _sql_files("functions")
 
 
 def create(connection) -> None:
     """Creates schema broker, as of the head revision, in an empty database.
 
-    `connection` is a SQLAlchemy Connection (Alembic's op.get_bind() is one); everything runs in
-    its transaction.  Stamping the head revision is the caller's part.
+    `connection` is a SQLAlchemy Connection; everything runs in its transaction.  Stamping the head revision is
+    the caller's part.
     """
-    for file in definition_files():
+    for file in schema_files():
         execute_script(connection, file.read_text())
+    apply_functions(connection)
+
+
+def apply_functions(connection) -> list[str]:
+    """Applies every function file whose text differs from what the database last applied, in the connection's
+    transaction; returns their names.  The functions are replaced in place (CREATE OR REPLACE), so sessions that
+    call them go on while this runs."""
+    connection.execute(LOCK_SCHEMA_CHANGES)
+    applied = {name: bytes(sha256) for name, sha256 in connection.execute(FUNCTION_FILES_APPLIED)}
+    changed = []
+    for file in function_files():
+        script = file.read_text()
+        sha256 = hashlib.sha256(script.encode()).digest()
+        if applied.get(file.name) != sha256:
+            execute_script(connection, script)
+            connection.execute(RECORD_FUNCTION_FILE, {"file_name": file.name, "sha256": sha256})
+            changed.append(file.name)
+    if changed:
+        execute_script(connection, (resources.files("broker") / "sql" / FUNCTION_PRIVILEGES).read_text())
+    return changed
 
 
 def execute_script(connection, script: str) -> None:

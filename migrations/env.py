@@ -1,8 +1,12 @@
-"""Alembic environment: the database URL comes from the broker's settings, never alembic.ini."""
+"""Alembic environment: the database URL comes from the broker's settings, never alembic.ini.
+
+After the revisions, a database at the head gets the function files that changed (broker.schema.apply_functions):
+a release that changes only functions has no revision of its own."""
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from broker.migrate import VERSION_TABLE
+from broker import schema
+from broker.migrate import VERSION_TABLE, refuse_older_than_baseline
 from broker.settings import database_url_for_migrations
 
 config = context.config
@@ -12,9 +16,16 @@ def run_migrations() -> None:
     url = config.attributes.get("database_url") or database_url_for_migrations()
     engine = create_engine(url, poolclass=pool.NullPool)
     with engine.connect() as connection:
+        with connection.begin():
+            refuse_older_than_baseline(connection)
         context.configure(connection=connection, version_table=VERSION_TABLE, transaction_per_migration=True)
         with context.begin_transaction():
             context.run_migrations()
+        at_head = set(context.get_context().get_current_heads()) == {context.script.get_current_head()}
+        connection.commit()
+        if at_head:
+            with connection.begin():
+                schema.apply_functions(connection)
     engine.dispose()
 
 

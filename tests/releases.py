@@ -8,8 +8,8 @@ import tarfile
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-# The last commit before revision 0028: the release this one must talk to.
-PREVIOUS_RELEASE = "abd8176"
+# The last release before this one (revision 0028, before the baseline): the release this one must talk to.
+PREVIOUS_RELEASE = "b38c60a"
 
 
 def checkout(commit: str, directory: Path) -> Path:

@@ -8,6 +8,7 @@ import pytest
 import broker
 from broker import migrate as this_release
 from tests.conftest import _fresh_database
+from tests.migrations import catalog
 from tests.nodes import Node, serve_pair, stop_all
 from tests.releases import PREVIOUS_RELEASE, checkout, migrate
 
@@ -62,7 +63,7 @@ def converse(sender, receiver, from_service, to_service, label):
 @pytest.mark.parametrize("mixed_pair", ["a", "b"], indirect=True)
 def test_a_node_of_the_previous_release_converses_with_this_one_both_ways(mixed_pair):
     a, b, previous = mixed_pair
-    assert previous.scalar(REVISION) == "0027"
+    assert previous.scalar(REVISION) == "0028"
     assert {a, b} - {previous} == {node for node in (a, b) if node.scalar(REVISION) == this_release.head_revision()}
     converse(a, b, "shop", "warehouse", "from a")
     converse(b, a, "warehouse", "shop", "from b")
@@ -85,3 +86,17 @@ def test_this_releases_migrations_apply_while_a_node_of_the_previous_release_ser
         flowing.result()
     converse(a, b, "shop", "warehouse", "after, node upgraded")
     converse(b, a, "warehouse", "shop", "back")
+
+
+def test_a_database_the_previous_release_built_is_carried_over_to_what_this_release_builds(
+        admin_url, previous_release):
+    """The previous release's last revision is this release's baseline: its database goes on from there, and ends
+    the same, catalog and functions, as a database this release builds."""
+    built_before, built_now = _fresh_database(admin_url), _fresh_database(admin_url)
+    before, now = next(built_before), next(built_now)
+    migrate(previous_release, before)
+    this_release.upgrade(before)
+    this_release.upgrade(now)
+    assert not catalog.diff(catalog.snapshot(now), catalog.snapshot(before), ("built by this release", "carried over"))
+    for database in (built_before, built_now):
+        next(database, None)

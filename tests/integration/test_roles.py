@@ -1,4 +1,4 @@
-"""Least-privilege roles (revision 0012), shown with real logins: broker_application converses through its
+"""Least-privilege roles, shown with real logins: broker_application converses through its
 functions and views alone, broker_relay carries batches, and broker_admin runs a node."""
 import io
 import secrets
@@ -243,24 +243,14 @@ def test_broker_admin_holds_every_object_and_what_later_revisions_create(databas
         == [(False, False)]
 
 
-def test_downgrading_to_0011_gives_back_invoker_functions_executable_by_public(database_url):
-    migrate.downgrade(database_url, "0011")
-    assert _rows(database_url, "SELECT count(*) FROM pg_proc p WHERE p.pronamespace = 'broker'::regnamespace"
-                               " AND (p.prosecdef OR p.proconfig IS NOT NULL)") == [(0,)]
-    assert _rows(database_url, "SELECT count(*) FROM pg_proc p WHERE p.pronamespace = 'broker'::regnamespace"
-                               " AND NOT has_function_privilege('public', p.oid, 'EXECUTE')") == [(0,)]
-    assert _rows(database_url, """
-        SELECT count(*) FROM (
-            SELECT a.grantee FROM pg_class c, aclexplode(c.relacl) a WHERE c.relnamespace = 'broker'::regnamespace
-            UNION ALL
-            SELECT a.grantee FROM pg_proc p, aclexplode(p.proacl) a WHERE p.pronamespace = 'broker'::regnamespace
-            UNION ALL
-            SELECT a.grantee FROM pg_namespace n, aclexplode(n.nspacl) a WHERE n.nspname = 'broker'
-            UNION ALL
-            SELECT a.grantee FROM pg_default_acl d, aclexplode(d.defaclacl) a
-        ) granted
-        WHERE granted.grantee IN ('broker_application'::regrole, 'broker_relay'::regrole, 'broker_admin'::regrole)""") \
-        == [(0,)]
+def test_the_next_migrate_sets_right_a_function_file_that_changed(database_url):
+    """A function file applied again (as when a release changes it) says its privileges and SECURITY DEFINER
+    itself: what a CREATE OR REPLACE resets, and what a new function is given, are set right."""
+    admin_execute(database_url,
+                  "ALTER FUNCTION broker.send(uuid, text, bytea, interval, timestamptz) SECURITY INVOKER RESET ALL",
+                  "GRANT EXECUTE ON FUNCTION broker._raise(text, text, text) TO PUBLIC",
+                  "UPDATE broker.function_files SET sha256 = '\\x00'")
+    assert _unpinned_entry_points(database_url) and _executable_by_public(database_url)
     migrate.upgrade(database_url)
     assert _unpinned_entry_points(database_url) == []
     assert _executable_by_public(database_url) == []

@@ -1,0 +1,365 @@
+-- The catalog's functions (message types, contracts, queues, services,
+-- routes) and the helpers every other file uses.
+--
+-- Each file in this folder holds the functions of one concern, each stated
+-- once with what it runs as and who may execute it: an application's entry
+-- point runs as its owner (SECURITY DEFINER, with a pinned search_path) and is
+-- granted to broker_application; what the relay and the transport endpoint
+-- call is granted to broker_relay; broker_admin executes everything, and
+-- PUBLIC nothing (broker/sql/function_privileges.sql).  A file is applied
+-- again, as a whole, whenever it changes (broker/schema.py), so every
+-- statement in it is CREATE OR REPLACE; a revision drops a function that is
+-- removed or whose arguments change.
+--
+-- SQLSTATEs raised (class BR, documented in README.md):
+--   BR001 unknown service          BR010 message type not allowed in this direction
+--   BR002 unknown message type     BR011 contract not accepted by the target service
+--   BR003 unknown contract         BR012 body fails the message type's validation
+--   BR004 unknown queue            BR020 conversation not in a state that allows this
+--   BR005 unknown conversation     BR021 sequence number out of turn, or reused with another content
+--   BR006 unknown route            BR030 queue disabled
+--   BR050 invalid argument         BR040 name already exists
+--   BR051 message too large        BR041 object still in use
+--   BR060 lock lost: expired, completed, abandoned, or never issued
+--   BR070 the ingest checkpoint is not where the run started (another run moved it)
+
+------------------------------------------------------------------------------
+-- Internal helpers
+------------------------------------------------------------------------------
+
+CREATE OR REPLACE FUNCTION broker._raise(code text, message text, hint text DEFAULT NULL) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF hint IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = code, MESSAGE = message;
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = code, MESSAGE = message, HINT = hint;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._raise(text,text,text) TO broker_relay;
+
+-- Names are 1-128 characters: letters, digits and _ . : / @ # -, starting with
+-- a letter, a digit or /.  Names beginning with "broker." are reserved.
+CREATE OR REPLACE FUNCTION broker._check_name(kind text, name text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF name IS NULL THEN
+        PERFORM broker._raise('BR050', format('%s name must not be null', kind));
+    END IF;
+    IF length(name) > 128 OR name !~ '^[A-Za-z0-9/][A-Za-z0-9_.:/@#-]*$' THEN
+        PERFORM broker._raise('BR050', format('invalid %s name %s', kind, left(quote_literal(name), 140)),
+            'use 1-128 letters, digits and _ . : / @ # -, starting with a letter, a digit or /');
+    END IF;
+    IF name LIKE 'broker.%' THEN
+        PERFORM broker._raise('BR050', format('%s name %L is reserved: names beginning with "broker." belong to the broker', kind, name));
+    END IF;
+    RETURN name;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._check_name(text,text) TO broker_relay;
+
+CREATE OR REPLACE FUNCTION broker._require(argument text, value anyelement) RETURNS anyelement
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF value IS NULL THEN
+        PERFORM broker._raise('BR050', format('%s must not be null', argument));
+    END IF;
+    RETURN value;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._require(text,anyelement) TO broker_relay;
+
+CREATE OR REPLACE FUNCTION broker._queue(queue_name text) RETURNS broker.queues
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    q broker.queues;
+BEGIN
+    SELECT * INTO q FROM broker.queues WHERE name = broker._require('queue', queue_name);
+    IF NOT FOUND THEN
+        PERFORM broker._raise('BR004', format('unknown queue %L', queue_name));
+    END IF;
+    RETURN q;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._queue(text) TO broker_relay;
+
+CREATE OR REPLACE FUNCTION broker._enabled_queue(queue_name text) RETURNS broker.queues
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    q broker.queues := broker._queue(queue_name);
+BEGIN
+    IF NOT q.is_enabled THEN
+        PERFORM broker._raise('BR030', format('queue %L is disabled', queue_name),
+            'enable it with broker.alter_queue(name, status => true)');
+    END IF;
+    RETURN q;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._enabled_queue(text) TO broker_relay;
+
+CREATE OR REPLACE FUNCTION broker._service(service_name text) RETURNS broker.services
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    s broker.services;
+BEGIN
+    SELECT * INTO s FROM broker.services WHERE name = broker._require('service', service_name);
+    IF NOT FOUND THEN
+        PERFORM broker._raise('BR001', format('unknown service %L', service_name));
+    END IF;
+    RETURN s;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._service(text) TO broker_relay;
+
+CREATE OR REPLACE FUNCTION broker._contract_id(contract_name text) RETURNS integer
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    id integer;
+BEGIN
+    SELECT contract_id INTO id FROM broker.contracts WHERE name = broker._require('contract', contract_name);
+    IF NOT FOUND THEN
+        PERFORM broker._raise('BR003', format('unknown contract %L', contract_name));
+    END IF;
+    RETURN id;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._contract_id(text) TO broker_relay;
+
+CREATE OR REPLACE FUNCTION broker._message_type(message_type_name text) RETURNS broker.message_types
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    mt broker.message_types;
+BEGIN
+    SELECT * INTO mt FROM broker.message_types WHERE name = broker._require('message type', message_type_name);
+    IF NOT FOUND THEN
+        PERFORM broker._raise('BR002', format('unknown message type %L', message_type_name));
+    END IF;
+    RETURN mt;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._message_type(text) TO broker_relay;
+
+-- Checks a body against its message type's validation and the node's size limit.
+CREATE OR REPLACE FUNCTION broker._validate_body(mt broker.message_types, body bytea) RETURNS void
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    limit_bytes integer := (SELECT max_message_bytes FROM broker.node);
+BEGIN
+    IF octet_length(body) > limit_bytes THEN
+        PERFORM broker._raise('BR051', format('message body of %s bytes exceeds the limit of %s bytes',
+            octet_length(body), limit_bytes));
+    END IF;
+    IF mt.validation = 'empty' AND octet_length(body) > 0 THEN
+        PERFORM broker._raise('BR012', format('message type %L must have an empty body', mt.name));
+    ELSIF mt.validation = 'json' THEN
+        BEGIN
+            PERFORM convert_from(body, 'UTF8')::jsonb;
+        EXCEPTION WHEN OTHERS THEN
+            PERFORM broker._raise('BR012', format('message type %L requires a JSON body: %s', mt.name, SQLERRM));
+        END;
+        IF body IS NULL THEN
+            PERFORM broker._raise('BR012', format('message type %L requires a JSON body, got NULL', mt.name));
+        END IF;
+    END IF;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._validate_body(broker.message_types,bytea) TO broker_relay;
+
+-- Checks that the contract lets this side (the initiator's or the target's)
+-- send the message type, and that the body passes the type's validation.
+CREATE OR REPLACE FUNCTION broker._check_message(contract_id integer, sent_by_initiator boolean, mt broker.message_types,
+                                      body bytea) RETURNS void
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    side text := CASE WHEN sent_by_initiator THEN 'initiator' ELSE 'target' END;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM broker.contract_message_types cmt
+                   WHERE cmt.contract_id = _check_message.contract_id AND cmt.message_type_id = mt.message_type_id
+                     AND cmt.sent_by IN ('any', side)) THEN
+        PERFORM broker._raise('BR010', format('contract %L does not let the %s send message type %L',
+            (SELECT name FROM broker.contracts c WHERE c.contract_id = _check_message.contract_id), side, mt.name));
+    END IF;
+    PERFORM broker._validate_body(mt, body);
+END $$;
+GRANT EXECUTE ON FUNCTION broker._check_message(integer,boolean,broker.message_types,bytea) TO broker_relay;
+
+------------------------------------------------------------------------------
+-- Catalog API
+------------------------------------------------------------------------------
+
+CREATE OR REPLACE FUNCTION broker.create_message_type(name text, validation text DEFAULT 'none') RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM broker._check_name('message type', name);
+    IF validation IS NULL OR validation NOT IN ('none', 'empty', 'json') THEN
+        PERFORM broker._raise('BR050', format('unknown validation %L', validation), 'use none, empty or json');
+    END IF;
+    INSERT INTO broker.message_types (name, validation) VALUES (create_message_type.name, create_message_type.validation);
+EXCEPTION WHEN unique_violation THEN
+    PERFORM broker._raise('BR040', format('message type %L already exists', name));
+END $$;
+COMMENT ON FUNCTION broker.create_message_type(text, text) IS 'Defines a message type with validation none, empty or json.';
+
+CREATE OR REPLACE FUNCTION broker.drop_message_type(name text) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    mt broker.message_types := broker._message_type(name);
+BEGIN
+    IF mt.name LIKE 'broker.%' THEN
+        PERFORM broker._raise('BR050', format('message type %L belongs to the broker', name));
+    END IF;
+    IF EXISTS (SELECT 1 FROM broker.contract_message_types WHERE message_type_id = mt.message_type_id) THEN
+        PERFORM broker._raise('BR041', format('message type %L is used by a contract', name), 'drop the contract first');
+    END IF;
+    DELETE FROM broker.message_types WHERE message_type_id = mt.message_type_id;
+END $$;
+
+CREATE OR REPLACE FUNCTION broker.create_contract(name text, message_types jsonb) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    new_id integer;
+    entry record;
+BEGIN
+    PERFORM broker._check_name('contract', name);
+    IF message_types IS NULL OR jsonb_typeof(message_types) <> 'object' OR message_types = '{}' THEN
+        PERFORM broker._raise('BR050', 'message_types must be a non-empty JSON object',
+            'e.g. {"order.submit": "initiator", "order.ack": "target", "order.note": "any"}');
+    END IF;
+    INSERT INTO broker.contracts (name) VALUES (create_contract.name) RETURNING contract_id INTO new_id;
+    FOR entry IN SELECT key, value FROM jsonb_each(message_types) LOOP
+        IF jsonb_typeof(entry.value) <> 'string' OR entry.value #>> '{}' NOT IN ('initiator', 'target', 'any') THEN
+            PERFORM broker._raise('BR050', format('message type %L: sent by must be "initiator", "target" or "any", got %s',
+                entry.key, entry.value));
+        END IF;
+        IF entry.key LIKE 'broker.%' THEN
+            PERFORM broker._raise('BR050', format('system message type %L is part of every contract', entry.key));
+        END IF;
+        INSERT INTO broker.contract_message_types (contract_id, message_type_id, sent_by)
+        VALUES (new_id, (broker._message_type(entry.key)).message_type_id, entry.value #>> '{}');
+    END LOOP;
+EXCEPTION WHEN unique_violation THEN
+    PERFORM broker._raise('BR040', format('contract %L already exists', name));
+END $$;
+COMMENT ON FUNCTION broker.create_contract(text, jsonb) IS
+    'Defines a contract: {"message type": "initiator" | "target" | "any"}.';
+
+CREATE OR REPLACE FUNCTION broker.drop_contract(name text) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    id integer := broker._contract_id(name);
+BEGIN
+    IF EXISTS (SELECT 1 FROM broker.service_contracts WHERE contract_id = id)
+       OR EXISTS (SELECT 1 FROM broker.endpoints WHERE contract_id = id) THEN
+        PERFORM broker._raise('BR041', format('contract %L is used by a service or a conversation', name));
+    END IF;
+    DELETE FROM broker.contracts WHERE contract_id = id;
+END $$;
+
+CREATE OR REPLACE FUNCTION broker.create_queue(name text, status boolean DEFAULT true, retention boolean DEFAULT false,
+                                    poison_threshold integer DEFAULT 5) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM broker._check_name('queue', name);
+    IF poison_threshold IS NULL OR poison_threshold < 1 THEN
+        PERFORM broker._raise('BR050', format('poison_threshold must be at least 1, got %s', poison_threshold));
+    END IF;
+    INSERT INTO broker.queues (name, is_enabled, retention, poison_threshold)
+    VALUES (create_queue.name, broker._require('status', status), broker._require('retention', retention),
+            create_queue.poison_threshold);
+EXCEPTION WHEN unique_violation THEN
+    PERFORM broker._raise('BR040', format('queue %L already exists', name));
+END $$;
+COMMENT ON FUNCTION broker.create_queue(text, boolean, boolean, integer) IS
+    'Creates a queue: status (enabled), retention (keep received messages until the conversation is closed), poison_threshold.';
+
+-- NULL arguments leave a setting as it is.
+CREATE OR REPLACE FUNCTION broker.alter_queue(name text, status boolean DEFAULT NULL, retention boolean DEFAULT NULL,
+                                   poison_threshold integer DEFAULT NULL) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    q broker.queues := broker._queue(name);
+BEGIN
+    IF poison_threshold < 1 THEN
+        PERFORM broker._raise('BR050', format('poison_threshold must be at least 1, got %s', poison_threshold));
+    END IF;
+    UPDATE broker.queues
+    SET is_enabled = coalesce(status, is_enabled),
+        retention = coalesce(alter_queue.retention, queues.retention),
+        poison_threshold = coalesce(alter_queue.poison_threshold, queues.poison_threshold)
+    WHERE queue_id = q.queue_id;
+END $$;
+
+CREATE OR REPLACE FUNCTION broker.drop_queue(name text) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    q broker.queues := broker._queue(name);
+BEGIN
+    IF EXISTS (SELECT 1 FROM broker.services WHERE queue_id = q.queue_id) THEN
+        PERFORM broker._raise('BR041', format('queue %L is used by a service', name), 'drop the service first');
+    END IF;
+    DELETE FROM broker.conversation_groups WHERE queue_id = q.queue_id;
+    DELETE FROM broker.queues WHERE queue_id = q.queue_id;
+END $$;
+
+CREATE OR REPLACE FUNCTION broker.create_service(name text, queue text, contracts text[] DEFAULT '{}') RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    new_id integer;
+    contract_name text;
+BEGIN
+    PERFORM broker._check_name('service', name);
+    INSERT INTO broker.services (name, queue_id) VALUES (create_service.name, (broker._queue(queue)).queue_id)
+    RETURNING service_id INTO new_id;
+    FOREACH contract_name IN ARRAY broker._require('contracts', contracts) LOOP
+        INSERT INTO broker.service_contracts (service_id, contract_id)
+        VALUES (new_id, broker._contract_id(contract_name))
+        ON CONFLICT DO NOTHING;
+    END LOOP;
+EXCEPTION WHEN unique_violation THEN
+    PERFORM broker._raise('BR040', format('service %L already exists', name));
+END $$;
+COMMENT ON FUNCTION broker.create_service(text, text, text[]) IS
+    'Creates a service on a queue, accepting the given contracts as a target.';
+
+CREATE OR REPLACE FUNCTION broker.drop_service(name text) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    s broker.services := broker._service(name);
+BEGIN
+    IF EXISTS (SELECT 1 FROM broker.endpoints WHERE service_id = s.service_id AND state <> 'closed') THEN
+        PERFORM broker._raise('BR041', format('service %L has open conversations', name),
+            'end them first, or with broker.end_conversation(handle, cleanup => true)');
+    END IF;
+    DELETE FROM broker.queue_messages m USING broker.endpoints e
+    WHERE e.service_id = s.service_id AND m.conversation_handle = e.conversation_handle;
+    DELETE FROM broker.endpoints WHERE service_id = s.service_id;
+    DELETE FROM broker.services WHERE service_id = s.service_id;
+END $$;
+
+-- Routes name plain http(s) URLs: a host (a name, an IPv4 address or a
+-- bracketed IPv6 address), an optional port and an optional path; no
+-- credentials (the route's secret authenticates the peer), no query, no
+-- fragment.  The address is checked part by part, and the error says what an
+-- address may hold.
+CREATE OR REPLACE FUNCTION broker.create_route(service_name text, address text, broker_instance uuid, secret text)
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM broker._check_name('service', service_name);
+    IF address IS NULL OR length(address) > 2000
+       OR address !~ '^https?://([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?(/[A-Za-z0-9._~%!$&''()*+,;=:@/-]*)?$'
+       OR coalesce(substring(address FROM '^https?://[^/]*:([0-9]+)')::integer, 1) NOT BETWEEN 1 AND 65535 THEN
+        PERFORM broker._raise('BR050', format('route address must be an http:// or https:// URL of a host, with an '
+            'optional port and path and without credentials, query or fragment; got %s', left(quote_nullable(address), 200)));
+    END IF;
+    PERFORM broker._require('broker_instance', broker_instance);
+    IF secret IS NULL OR length(secret) < 16 THEN
+        PERFORM broker._raise('BR050', 'the route''s secret must have at least 16 characters');
+    END IF;
+    INSERT INTO broker.routes (service_name, address, broker_instance, peer_secret)
+    VALUES (create_route.service_name, rtrim(create_route.address, '/'), create_route.broker_instance, secret);
+EXCEPTION WHEN unique_violation THEN
+    PERFORM broker._raise('BR040', format('a route for service %L already exists', service_name));
+END $$;
+COMMENT ON FUNCTION broker.create_route(text, text, uuid, text) IS
+    'Tells where a remote service lives: its node''s base URL, broker_instance and the secret shared with that node.';
+
+CREATE OR REPLACE FUNCTION broker.drop_route(service_name text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM broker.routes WHERE routes.service_name = broker._require('service_name', drop_route.service_name);
+    IF NOT FOUND THEN
+        PERFORM broker._raise('BR006', format('no route for service %L', service_name));
+    END IF;
+END $$;

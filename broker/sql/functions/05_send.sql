@@ -1,0 +1,355 @@
+-- Sending: one message, a batch, and the numbered sends of the REST API that
+-- store each (conversation, number) once.
+
+-- A conversation with a remote far side (the common case) is locked, numbered
+-- and checked by one UPDATE and its message goes straight to the transmission
+-- queue; a local one, a type with validation, or anything that fails a check
+-- takes the general path with its errors.  The notification carries the first
+-- hex digit of the handle, so that only the relay lane for that share of the
+-- handles wakes (an empty one wakes all).  A conversation past its lifetime
+-- refuses to send (BR020), on either side, even before its expiry has been
+-- fired.  A message given a delivery time (deliver_after from now, or
+-- deliver_at) is held until then, and the later ones of its conversation
+-- behind it (broker._transmit).
+CREATE OR REPLACE FUNCTION broker.send(conversation_handle uuid, message_type text, body bytea DEFAULT NULL,
+                            deliver_after interval DEFAULT NULL, deliver_at timestamptz DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp
+AS $$
+DECLARE
+    sender broker.endpoints;
+    mt broker.message_types;
+    far_queue broker.queues;
+    numbered record;
+    due timestamptz := CASE WHEN deliver_after IS NOT NULL OR deliver_at IS NOT NULL
+                            THEN broker._delivery_time(deliver_after, deliver_at) END;
+BEGIN
+    -- The common case in one statement: a conversing endpoint with a remote far
+    -- side, within its lifetime, sending a type without validation that its
+    -- contract allows it to, at once (behind what the conversation holds).
+    UPDATE broker.endpoints e SET send_sequence = e.send_sequence + 1
+    FROM broker.message_types t, broker.contract_message_types cmt
+    WHERE due IS NULL
+      AND e.conversation_handle = send.conversation_handle AND e.state = 'conversing' AND NOT e.far_is_local
+      AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp())
+      AND t.name = message_type AND t.validation = 'none' AND t.name NOT LIKE 'broker.%'
+      AND cmt.contract_id = e.contract_id AND cmt.message_type_id = t.message_type_id
+      AND cmt.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
+      AND coalesce(octet_length(body), 0) <= (SELECT max_message_bytes FROM broker.node)
+    RETURNING e.conversation_handle, e.send_sequence, e.conversation_id, e.far_service, t.message_type_id,
+              e.held_until, e.priority
+    INTO numbered;
+    IF FOUND THEN
+        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
+                                               to_service, message_type_id, body, next_attempt_at, priority,
+                                               traceparent)
+        VALUES (numbered.conversation_handle, numbered.send_sequence, numbered.conversation_id, numbered.far_service,
+                numbered.message_type_id, body, greatest(numbered.held_until, now()), numbered.priority,
+                broker._traceparent());
+        PERFORM pg_notify('broker_transmission_queue', left(numbered.conversation_handle::text, 1));
+        RETURN numbered.send_sequence;
+    END IF;
+
+    sender := broker._lock_endpoint(conversation_handle);
+    mt := broker._message_type(message_type);
+    IF sender.state <> 'conversing' THEN
+        PERFORM broker._raise('BR020', format('cannot send on conversation %s: it is %s',
+            conversation_handle, replace(sender.state, '_', ' ')));
+    END IF;
+    IF sender.expires_at <= clock_timestamp() THEN
+        PERFORM broker._raise('BR020', format('cannot send on conversation %s: its lifetime expired at %s',
+            conversation_handle, sender.expires_at), 'end the conversation');
+    END IF;
+    IF mt.name LIKE 'broker.%' THEN
+        PERFORM broker._raise('BR010', format('message type %L is sent by the broker itself', message_type),
+            'use broker.end_conversation to end a conversation or report an error');
+    END IF;
+    PERFORM broker._check_message(sender.contract_id, sender.is_initiator, mt, body);
+    IF sender.far_is_local THEN
+        SELECT q.* INTO far_queue FROM broker.queues q JOIN broker.endpoints e USING (queue_id)
+        WHERE e.conversation_id = sender.conversation_id AND e.is_initiator <> sender.is_initiator;
+        IF NOT far_queue.is_enabled THEN
+            PERFORM broker._raise('BR030', format('queue %L of service %L is disabled', far_queue.name, sender.far_service));
+        END IF;
+    END IF;
+    RETURN broker._transmit(sender, mt, body, due);
+END $$;
+COMMENT ON FUNCTION broker.send(uuid, text, bytea, interval, timestamptz) IS
+    'Sends a message on a conversation, at once or held until its delivery time; returns its sequence number.  Durable when the caller commits.';
+GRANT EXECUTE ON FUNCTION broker.send(uuid,text,bytea,interval,timestamp with time zone) TO broker_application;
+
+-- When a message given deliver_after (from now) or deliver_at is to be
+-- delivered: BR050 for both, or for a time without end.
+CREATE OR REPLACE FUNCTION broker._delivery_time(deliver_after interval, deliver_at timestamptz) RETURNS timestamptz
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF deliver_after IS NOT NULL AND deliver_at IS NOT NULL THEN
+        PERFORM broker._raise('BR050', 'give deliver_after or deliver_at, not both');
+    END IF;
+    IF NOT isfinite(coalesce(deliver_at, now() + deliver_after)) THEN
+        PERFORM broker._raise('BR050', 'a delivery time must be finite');
+    END IF;
+    RETURN coalesce(deliver_at, clock_timestamp() + deliver_after);
+END $$;
+GRANT EXECUTE ON FUNCTION broker._delivery_time(interval,timestamp with time zone) TO broker_relay;
+
+-- Locks every local endpoint of the conversations whose handles are given,
+-- conversation by conversation and the initiator's endpoint first: the order
+-- of broker._lock_endpoint and of an arriving batch, so that writers of many
+-- conversations at once and writers of one cannot deadlock.  The
+-- conversations are looked up as an array, one probe of the index each: as a
+-- semi-join, the plan kept for the function could scan every endpoint.
+CREATE OR REPLACE FUNCTION broker._lock_conversations(handles uuid[]) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM FROM (SELECT FROM broker.endpoints e
+                  WHERE e.conversation_id = ANY (ARRAY(SELECT l.conversation_id FROM broker.endpoints l
+                                                       WHERE l.conversation_handle = ANY (handles)))
+                  ORDER BY e.conversation_id, e.is_initiator DESC
+                  FOR NO KEY UPDATE) locked;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._lock_conversations(uuid[]) TO broker_relay;
+
+-- Sends many messages of one type at once, bodies[i] on conversation_handles[i]
+-- (bodies NULL: every body NULL).  A handle may appear more than once: its
+-- messages are numbered in the order given.  Returns the sequence numbers in
+-- that order.  All or nothing, with every check and error of broker.send.
+-- The common case is set-based: conversing conversations within their
+-- lifetime sending a type without validation that their contract allows are
+-- locked together (broker._lock_conversations), numbered by one UPDATE, and
+-- queued by one INSERT into the transmission queue when their far side is
+-- remote, or delivered by one INSERT into the far side's queue when it is
+-- local, takes messages and its queue is enabled.  Anything else (a
+-- conversation past its lifetime, say, which broker.send refuses) goes through
+-- broker.send one message at a time.
+CREATE OR REPLACE FUNCTION broker.send_batch(conversation_handles uuid[], message_type text, bodies bytea[] DEFAULT NULL)
+RETURNS bigint[]
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp
+AS $$
+DECLARE
+    mt broker.message_types := broker._message_type(message_type);
+    given integer := cardinality(conversation_handles);
+    plain integer;
+    local_messages integer;
+    first_position bigint;
+    numbers bigint[];
+    trace text := broker._traceparent();  -- checked once, not for each message
+BEGIN
+    IF given IS NULL OR array_position(conversation_handles, NULL) IS NOT NULL THEN
+        PERFORM broker._raise('BR050', 'conversation_handles must be an array of conversation handles without NULL');
+    END IF;
+    IF cardinality(bodies) <> given THEN
+        PERFORM broker._raise('BR050', format('bodies has %s elements and conversation_handles %s: give one body per handle',
+            cardinality(bodies), given));
+    END IF;
+    PERFORM broker._lock_conversations(conversation_handles);
+    SELECT count(*) INTO plain
+    FROM broker.endpoints e
+    JOIN broker._plain_message_types p
+      ON p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator AND p.message_type_id = mt.message_type_id
+    WHERE e.conversation_handle = ANY (conversation_handles) AND e.state = 'conversing' AND NOT e.far_is_local
+      AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp());
+    SELECT plain + count(*) INTO plain
+    FROM broker.endpoints e
+    JOIN broker.endpoints far ON far.conversation_id = e.conversation_id AND far.is_initiator <> e.is_initiator
+    JOIN broker.queues q ON q.queue_id = far.queue_id
+    JOIN broker._plain_message_types p
+      ON p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator AND p.message_type_id = mt.message_type_id
+    WHERE e.conversation_handle = ANY (conversation_handles) AND e.state = 'conversing' AND e.far_is_local
+      AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp())
+      AND far.state IN ('conversing', 'disconnected_inbound') AND far.receive_sequence = e.send_sequence
+      AND q.is_enabled;
+    IF plain < (SELECT count(DISTINCT h) FROM unnest(conversation_handles) h)
+       OR EXISTS (SELECT 1 FROM unnest(bodies) b WHERE octet_length(b) > (SELECT max_message_bytes FROM broker.node)) THEN
+        numbers := '{}';
+        FOR i IN 1 .. given LOOP
+            numbers := numbers || broker.send(conversation_handles[i], message_type, bodies[i]);
+        END LOOP;
+        RETURN numbers;
+    END IF;
+    SELECT count(*) INTO local_messages
+    FROM unnest(conversation_handles) h JOIN broker.endpoints e ON e.conversation_handle = h AND e.far_is_local
+    WHERE e.conversation_handle = ANY (conversation_handles);
+    IF local_messages > 0 THEN
+        first_position := broker._next_queue_positions(local_messages);
+    END IF;
+    WITH numbered AS (
+        SELECT g.k, g.h, e.send_sequence + row_number() OVER (PARTITION BY g.h ORDER BY g.k) AS sequence_number,
+               e.conversation_id, e.far_service, e.far_is_local, e.is_initiator, e.held_until, e.priority, g.b
+        FROM unnest(conversation_handles, bodies) WITH ORDINALITY AS g(h, b, k)
+        JOIN broker.endpoints e ON e.conversation_handle = g.h
+        WHERE e.conversation_handle = ANY (conversation_handles)
+    ), queued AS (
+        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
+                                               to_service, message_type_id, body, next_attempt_at, priority,
+                                               traceparent)
+        SELECT n.h, n.sequence_number, n.conversation_id, n.far_service, mt.message_type_id, n.b,
+               greatest(n.held_until, now()), n.priority, trace
+        FROM numbered n WHERE NOT n.far_is_local
+    ), delivered AS (
+        INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
+                                           conversation_id, message_sequence_number, message_type_id, body, priority,
+                                           traceparent)
+        SELECT far.queue_id, first_position + row_number() OVER (ORDER BY n.k) - 1, far.conversation_group_id,
+               far.conversation_handle, far.conversation_id, n.sequence_number, mt.message_type_id, n.b, far.priority,
+               trace
+        FROM numbered n
+        JOIN broker.endpoints far ON far.conversation_id = n.conversation_id AND far.is_initiator <> n.is_initiator
+        WHERE n.far_is_local
+    )
+    SELECT array_agg(n.sequence_number ORDER BY n.k) INTO numbers FROM numbered n;
+    UPDATE broker.endpoints e SET send_sequence = e.send_sequence + c.messages
+    FROM (SELECT h, count(*) AS messages FROM unnest(conversation_handles) h GROUP BY h) c
+    WHERE e.conversation_handle = c.h AND e.conversation_handle = ANY (conversation_handles);
+    IF local_messages > 0 THEN
+        UPDATE broker.endpoints far SET receive_sequence = e.send_sequence
+        FROM broker.endpoints e
+        WHERE e.conversation_handle = ANY (conversation_handles) AND e.far_is_local
+          AND far.conversation_id = e.conversation_id AND far.is_initiator <> e.is_initiator;
+        PERFORM pg_notify('broker_queue', queue_id::text)
+        FROM (SELECT DISTINCT far.queue_id FROM broker.endpoints e
+              JOIN broker.endpoints far ON far.conversation_id = e.conversation_id AND far.is_initiator <> e.is_initiator
+              WHERE e.conversation_handle = ANY (conversation_handles) AND e.far_is_local) queues;
+    END IF;
+    IF local_messages < given THEN
+        PERFORM pg_notify('broker_transmission_queue', digit)
+        FROM (SELECT DISTINCT left(e.conversation_handle::text, 1) AS digit FROM broker.endpoints e
+              WHERE e.conversation_handle = ANY (conversation_handles) AND NOT e.far_is_local) digits;
+    END IF;
+    RETURN coalesce(numbers, '{}');
+END $$;
+COMMENT ON FUNCTION broker.send_batch(uuid[], text, bytea[]) IS
+    'Sends bodies[i] on conversation_handles[i], all of one message type; returns the sequence numbers in order.';
+GRANT EXECUTE ON FUNCTION broker.send_batch(uuid[],text,bytea[]) TO broker_application;
+
+CREATE OR REPLACE FUNCTION broker._content_sha256(message_type text, body bytea) RETURNS bytea
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT sha256(convert_to(message_type, 'UTF8') || CASE WHEN body IS NULL THEN '\x00'::bytea
+                                                             ELSE '\x01'::bytea || body END)
+$$;
+GRANT EXECUTE ON FUNCTION broker._content_sha256(text,bytea) TO broker_relay;
+
+-- Sends message number sequence_number, chosen by the client, so that a
+-- client can retry a send whose outcome it does not know: the same number
+-- with the same content again is a no-op that returns false; the next number
+-- sends and returns true.  Anything else raises BR021 with the number that
+-- comes next in its DETAIL.  The delivery time is not part of the content: a
+-- retry is the same message whatever it gives.
+CREATE OR REPLACE FUNCTION broker.send_numbered(conversation_handle uuid, sequence_number bigint, message_type text,
+                                     body bytea DEFAULT NULL, deliver_after interval DEFAULT NULL,
+                                     deliver_at timestamptz DEFAULT NULL)
+RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp
+AS $$
+DECLARE
+    sender broker.endpoints := broker._lock_endpoint(conversation_handle);
+    expected bigint := sender.send_sequence + 1;
+    digest bytea := broker._content_sha256(message_type, body);
+    stored bytea;
+BEGIN
+    IF broker._require('sequence_number', sequence_number) = expected THEN
+        PERFORM broker.send(conversation_handle, message_type, body, deliver_after, deliver_at);
+        INSERT INTO broker.numbered_sends VALUES (conversation_handle, sequence_number, digest);
+        RETURN true;
+    END IF;
+    SELECT content_sha256 INTO stored FROM broker.numbered_sends n
+    WHERE n.conversation_handle = send_numbered.conversation_handle AND n.sequence_number = send_numbered.sequence_number;
+    IF stored = digest THEN
+        RETURN false;
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = 'BR021', DETAIL = expected::text,
+        MESSAGE = CASE WHEN stored IS NULL
+            THEN format('message %s is out of turn on conversation %s: the next number is %s',
+                        sequence_number, conversation_handle, expected)
+            ELSE format('message %s of conversation %s was already sent with another content; the next number is %s',
+                        sequence_number, conversation_handle, expected) END;
+END $$;
+COMMENT ON FUNCTION broker.send_numbered(uuid, bigint, text, bytea, interval, timestamptz) IS
+    'Idempotent send: the client numbers the message; a retry with the same number and content is a no-op.';
+GRANT EXECUTE ON FUNCTION broker.send_numbered(uuid,bigint,text,bytea,interval,timestamp with time zone) TO broker_application;
+
+-- broker.send_numbered for many messages, in the order given, all or none:
+-- whether each was sent now.  Each message is judged as broker.send_numbered
+-- would judge it after the ones before it: a number already sent (or given
+-- earlier in the batch) is a no-op when its content is the same; the next
+-- number sends; anything else raises BR021 for the first such message.  The
+-- messages sent now go through broker.send_batch, one call per run of one
+-- message type.
+CREATE OR REPLACE FUNCTION broker.send_numbered_batch(conversation_handles uuid[], sequence_numbers bigint[],
+                                           message_types text[], bodies bytea[])
+RETURNS boolean[]
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp
+AS $$
+DECLARE
+    given integer := cardinality(conversation_handles);
+    unknown uuid;
+    judged broker._judged_send[];
+    conflict record;
+    run record;
+BEGIN
+    IF given IS NULL OR array_position(conversation_handles, NULL) IS NOT NULL
+       OR array_position(sequence_numbers, NULL) IS NOT NULL OR array_position(message_types, NULL) IS NOT NULL
+       OR cardinality(sequence_numbers) IS DISTINCT FROM given OR cardinality(message_types) IS DISTINCT FROM given
+       OR cardinality(bodies) IS DISTINCT FROM given THEN
+        PERFORM broker._raise('BR050', 'give as many conversation handles, sequence numbers, message types and '
+            'bodies, without NULL but in bodies');
+    END IF;
+    PERFORM broker._lock_conversations(conversation_handles);
+    SELECT h INTO unknown FROM unnest(conversation_handles) WITH ORDINALITY AS g(h, k)
+    WHERE NOT EXISTS (SELECT FROM broker.endpoints e WHERE e.conversation_handle = g.h) ORDER BY k LIMIT 1;
+    IF FOUND THEN
+        PERFORM broker._raise('BR005', format('unknown conversation %s', unknown));
+    END IF;
+    WITH m AS (
+        SELECT g.k, g.h, g.n, g.t, g.b, broker._content_sha256(g.t, g.b) AS digest,
+               min(g.k) OVER (PARTITION BY g.h, g.n) AS first_k, e.send_sequence
+        FROM unnest(conversation_handles, sequence_numbers, message_types, bodies) WITH ORDINALITY AS g(h, n, t, b, k)
+        JOIN broker.endpoints e ON e.conversation_handle = g.h
+    ), with_freshness AS (
+        SELECT m.*, m.first_k = m.k AND m.n > m.send_sequence AS fresh FROM m
+    ), with_expected AS (
+        SELECT f.*, f.send_sequence + 1 + count(*) FILTER (WHERE f.fresh) OVER (
+                   PARTITION BY f.h ORDER BY f.k ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS expected
+        FROM with_freshness f
+    )
+    SELECT array_agg(ROW(f.k, f.h, f.n, f.t, f.b, f.digest, CASE WHEN f.first_k <> f.k THEN f.first_k END, f.fresh,
+                         f.expected)::broker._judged_send ORDER BY f.k)
+    INTO judged FROM with_expected f;
+    SELECT j.k, j.conversation_handle, j.sequence_number, j.expected, j.stored IS NOT NULL AS was_sent INTO conflict
+    FROM (SELECT x.*, coalesce(first.digest, s.content_sha256) AS stored
+          FROM unnest(judged) x
+          LEFT JOIN unnest(judged) first ON first.k = x.repeat_of
+          LEFT JOIN broker.numbered_sends s
+            ON x.repeat_of IS NULL AND NOT x.fresh AND s.conversation_handle = x.conversation_handle
+           AND s.sequence_number = x.sequence_number) j
+    WHERE (j.fresh AND j.sequence_number <> j.expected) OR (NOT j.fresh AND j.stored IS DISTINCT FROM j.digest)
+    ORDER BY j.k LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'BR021', DETAIL = conflict.expected::text,
+            MESSAGE = CASE WHEN NOT conflict.was_sent
+                THEN format('message %s is out of turn on conversation %s: the next number is %s',
+                            conflict.sequence_number, conflict.conversation_handle, conflict.expected)
+                ELSE format('message %s of conversation %s was already sent with another content; the next number is %s',
+                            conflict.sequence_number, conflict.conversation_handle, conflict.expected) END;
+    END IF;
+    FOR run IN
+        SELECT min(x.message_type) AS message_type, array_agg(x.conversation_handle ORDER BY x.k) AS handles,
+               array_agg(x.body ORDER BY x.k) AS bodies
+        FROM (SELECT x.*, row_number() OVER (ORDER BY x.k)
+                          - row_number() OVER (PARTITION BY x.message_type ORDER BY x.k) AS run_id
+              FROM unnest(judged) x WHERE x.fresh) x
+        GROUP BY x.message_type, x.run_id ORDER BY min(x.k)
+    LOOP
+        PERFORM broker.send_batch(run.handles, run.message_type, run.bodies);
+    END LOOP;
+    INSERT INTO broker.numbered_sends (conversation_handle, sequence_number, content_sha256)
+    SELECT x.conversation_handle, x.sequence_number, x.digest FROM unnest(judged) x WHERE x.fresh;
+    RETURN coalesce((SELECT array_agg(x.fresh ORDER BY x.k) FROM unnest(judged) x), '{}');
+END $$;
+COMMENT ON FUNCTION broker.send_numbered_batch(uuid[], bigint[], text[], bytea[]) IS
+    'broker.send_numbered for many messages in order, all or none: whether each was sent now.';
+GRANT EXECUTE ON FUNCTION broker.send_numbered_batch(uuid[],bigint[],text[],bytea[]) TO broker_application;

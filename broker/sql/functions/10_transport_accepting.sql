@@ -1,0 +1,521 @@
+-- Between nodes, the receiving side: a transport batch accepted, its
+-- conversations opened or continued, and its answer.
+--
+-- A conversation belongs to the peer it was opened with, and answers apply
+-- only to the batch they answer.  A peer is any node with a route here and a
+-- secret of its own.  Whatever it signs, it can touch only its own
+-- conversations: those whose endpoint here has it as far_broker_instance (a
+-- local conversation belongs to no peer).  It opens conversations only from
+-- services that this node routes to it, and its answers apply only to the
+-- batch it was sent.
+
+------------------------------------------------------------------------------
+-- Receiving side
+------------------------------------------------------------------------------
+
+-- The target endpoint of a conversation whose first message arrives from
+-- another node.  Raises BR001/BR003/BR011 when the conversation is refused.  A
+-- conversation is opened only from a service that this node routes to the
+-- sending node: that node is where its replies go.  Checked first, so that a
+-- node with no business here learns nothing of the services and contracts it
+-- names.
+CREATE OR REPLACE FUNCTION broker._create_target_endpoint(from_instance uuid, header jsonb) RETURNS broker.endpoints
+LANGUAGE plpgsql AS $$
+DECLARE
+    target_service broker.services;
+    dialog_contract integer;
+    group_id uuid := gen_random_uuid();
+    e broker.endpoints;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM broker.routes r
+                   WHERE r.service_name = header ->> 'from_service' AND r.broker_instance = from_instance) THEN
+        PERFORM broker._raise('BR006', format(
+            'no route here for service %s to broker instance %s, the node it comes from',
+            left(quote_nullable(header ->> 'from_service'), 140), from_instance));
+    END IF;
+    target_service := broker._service(header ->> 'to_service');
+    dialog_contract := broker._contract_id(header ->> 'contract');
+    IF NOT EXISTS (SELECT 1 FROM broker.service_contracts sc
+                   WHERE sc.service_id = target_service.service_id AND sc.contract_id = dialog_contract) THEN
+        PERFORM broker._raise('BR011', format('service %L does not accept contract %L',
+            target_service.name, header ->> 'contract'));
+    END IF;
+    INSERT INTO broker.conversation_groups VALUES (group_id, target_service.queue_id);
+    INSERT INTO broker.endpoints (conversation_handle, conversation_id, is_initiator, conversation_group_id,
+                                  service_id, queue_id, far_service, far_is_local, far_broker_instance,
+                                  contract_id, expires_at, priority)
+    VALUES (gen_random_uuid(), (header ->> 'conversation_id')::uuid, false, group_id, target_service.service_id,
+            target_service.queue_id, broker._check_name('service', header ->> 'from_service'), false,
+            from_instance, dialog_contract, (header ->> 'expires_at')::timestamptz,
+            broker._priority(header ->> 'contract', target_service.name, header ->> 'from_service'))
+    RETURNING * INTO e;
+    RETURN e;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._create_target_endpoint(uuid,jsonb) TO broker_relay;
+
+-- The far node refused a conversation: it ends here with a broker.error
+-- notice; nothing more is sent.
+CREATE OR REPLACE FUNCTION broker._refused_by_far_side(e broker.endpoints, reason text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM broker.transmission_queue
+    WHERE to_service = e.far_service AND priority = e.priority AND conversation_handle = e.conversation_handle;
+    IF e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
+        UPDATE broker.endpoints SET state = 'error', timer_at = NULL WHERE conversation_handle = e.conversation_handle;
+        PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id,
+                                broker._error_body(-3, 'the far node refused the conversation: ' || reason));
+    END IF;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._refused_by_far_side(broker.endpoints,text) TO broker_relay;
+
+-- Stores the messages of one conversation that come next (invariant 3):
+-- duplicates are skipped, a gap stops the conversation's batch, and a
+-- broker.error that follows the run across a gap is accepted with it (see the
+-- comment inside).  The messages that come next are stored by one INSERT and
+-- the endpoint moves on by one UPDATE, when they are all application messages
+-- for an endpoint whose application still reads; system messages (which change
+-- the endpoint's state) are delivered one by one.
+CREATE OR REPLACE FUNCTION broker._accept_messages(e broker.endpoints, messages jsonb) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    message jsonb;
+    sequence_number bigint;
+    mt broker.message_types;
+    body bytea;
+    next_messages jsonb;
+    stored integer;
+    first_position bigint;
+BEGIN
+    IF NOT (SELECT is_enabled FROM broker.queues WHERE queue_id = e.queue_id) THEN
+        PERFORM broker._raise('BR030', 'the target queue is disabled');
+    END IF;
+    -- The run of numbers that follows receive_sequence without a gap, in order,
+    -- and a broker.error right after it even across a gap: a side that ends a
+    -- conversation with an error (or whose lifetime expires) drops what it had
+    -- not transmitted yet, and its error keeps the next number it would have
+    -- sent.  The error is the last message of its direction, so nothing can
+    -- come into the numbers it skips.
+    WITH numbered AS (
+        SELECT m, n, row_number() OVER (ORDER BY n) AS k
+        FROM (SELECT DISTINCT ON (n) m, n
+              FROM jsonb_array_elements(messages) m, CAST(m ->> 'sequence_number' AS bigint) n
+              WHERE n > e.receive_sequence
+              ORDER BY n) once_each
+    ), run AS (
+        SELECT * FROM numbered WHERE n = e.receive_sequence + k
+    )
+    SELECT coalesce(jsonb_agg(m ORDER BY n), '[]') INTO next_messages
+    FROM numbered
+    WHERE n = e.receive_sequence + k
+       OR (k = (SELECT count(*) FROM run) + 1 AND m ->> 'message_type' = 'broker.error');
+
+    IF e.state IN ('conversing', 'disconnected_inbound')
+       AND NOT jsonb_path_exists(next_messages, '$[*] ? (@.message_type starts with "broker.")') THEN
+        FOR message IN
+            SELECT m FROM jsonb_array_elements(next_messages) m
+            WHERE NOT EXISTS (SELECT 1 FROM broker.message_types t
+                              JOIN broker.contract_message_types cmt
+                                ON cmt.message_type_id = t.message_type_id AND cmt.contract_id = e.contract_id
+                               AND cmt.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'target' ELSE 'initiator' END)
+                              WHERE t.name = m ->> 'message_type' AND t.validation = 'none'
+                                AND octet_length(decode(m ->> 'body', 'base64'))
+                                    <= (SELECT max_message_bytes FROM broker.node))
+        LOOP  -- raises for the first message that does not pass (it would be refused)
+            PERFORM broker._check_message(e.contract_id, NOT e.is_initiator,
+                                          broker._message_type(message ->> 'message_type'),
+                                          decode(message ->> 'body', 'base64'));
+        END LOOP;
+        stored := jsonb_array_length(next_messages);
+        IF stored = 0 THEN
+            RETURN e.receive_sequence;
+        END IF;
+        first_position := broker._next_queue_positions(stored);
+        INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
+                                           conversation_id, message_sequence_number, message_type_id, body, priority,
+                                           traceparent)
+        SELECT e.queue_id, first_position + m.k - 1, e.conversation_group_id, e.conversation_handle,
+               e.conversation_id, (m.value ->> 'sequence_number')::bigint, t.message_type_id,
+               decode(m.value ->> 'body', 'base64'), e.priority, m.value ->> 'traceparent'
+        FROM jsonb_array_elements(next_messages) WITH ORDINALITY AS m(value, k)
+        JOIN broker.message_types t ON t.name = m.value ->> 'message_type';
+        UPDATE broker.endpoints SET receive_sequence = e.receive_sequence + stored
+        WHERE conversation_handle = e.conversation_handle;
+        PERFORM pg_notify('broker_queue', e.queue_id::text);
+        RETURN e.receive_sequence + stored;
+    END IF;
+
+    FOR message IN SELECT value FROM jsonb_array_elements(next_messages) LOOP
+        sequence_number := (message ->> 'sequence_number')::bigint;
+        mt := broker._message_type(message ->> 'message_type');
+        body := decode(message ->> 'body', 'base64');
+        IF mt.name NOT LIKE 'broker.%' THEN
+            PERFORM broker._check_message(e.contract_id, NOT e.is_initiator, mt, body);
+        END IF;
+        PERFORM broker._deliver(e, sequence_number, mt, body, message ->> 'traceparent');
+        SELECT * INTO e FROM broker.endpoints WHERE conversation_handle = e.conversation_handle;
+    END LOOP;
+    RETURN e.receive_sequence;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._accept_messages(broker.endpoints,jsonb) TO broker_relay;
+
+-- One conversation of a batch, in a subtransaction of its own so that a bad
+-- conversation never spoils the rest.  The result acknowledges the highest
+-- number held without a gap, says which number was held before the batch, and
+-- why anything was refused or waits.  A conversation forgotten here is
+-- acknowledged, not opened again.  A refusal ends this side only when it is
+-- the sender's conversation: broker.accept_transport_batch sets the others
+-- aside first, and one that appears meanwhile is not the sender's to end
+-- either.
+--
+-- Messages that begin past a gap are not taken: the numbers before them are
+-- missing here (this database went back to an earlier point), so they are
+-- recorded in broker.lost_messages and the sender is told to wait, and to send
+-- them again.  So a conversation unknown here is opened only from its first
+-- number, or by a broker.error that ends it across the numbers its sender
+-- dropped.  A conversation that an application transaction holds is not waited
+-- for: the answer says it waits.
+CREATE OR REPLACE FUNCTION broker._accept_conversation(from_instance uuid, header jsonb) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    conversation uuid;
+    sender_is_initiator boolean;
+    e broker.endpoints;
+    known boolean;
+    tombstone broker.forgotten_conversations;
+    first_sent bigint := (SELECT min((m ->> 'sequence_number')::bigint) FROM jsonb_array_elements(header -> 'messages') m);
+    ends_it boolean := jsonb_path_exists(header -> 'messages', '$[*] ? (@.message_type == "broker.error")');
+    held bigint;
+    acknowledged bigint;
+    result jsonb;
+    failed_sqlstate text;
+    failure text;
+BEGIN
+    conversation := broker._require('conversation_id', (header ->> 'conversation_id')::uuid);
+    sender_is_initiator := broker._require('sender_is_initiator', (header ->> 'sender_is_initiator')::boolean);
+    result := jsonb_build_object('conversation_id', conversation, 'sender_is_initiator', sender_is_initiator);
+    BEGIN
+        SELECT * INTO e FROM broker.endpoints
+        WHERE conversation_id = conversation AND is_initiator = NOT sender_is_initiator
+        FOR UPDATE NOWAIT;
+        known := FOUND;
+        IF NOT known THEN
+            SELECT * INTO tombstone FROM broker.forgotten_conversations f
+            WHERE f.conversation_id = conversation AND f.is_initiator = NOT sender_is_initiator
+              AND f.far_broker_instance = from_instance;
+            IF FOUND THEN  -- closed and forgotten here: take nothing, and let the sender stop resending
+                RETURN result || jsonb_build_object('acknowledged', greatest(tombstone.receive_sequence,
+                    (SELECT max((m ->> 'sequence_number')::bigint)
+                     FROM jsonb_array_elements(header -> 'messages') m)), 'held', tombstone.receive_sequence);
+            END IF;
+        END IF;
+        IF NOT known AND sender_is_initiator AND first_sent > 1 AND NOT ends_it
+           AND EXISTS (SELECT 1 FROM broker.routes r
+                       WHERE r.service_name = header ->> 'from_service' AND r.broker_instance = from_instance) THEN
+            e.conversation_id := conversation;
+            e.is_initiator := false;
+            e.far_broker_instance := from_instance;
+            e.receive_sequence := 0;
+        ELSIF NOT known AND sender_is_initiator THEN
+            e := broker._create_target_endpoint(from_instance, header);
+        ELSIF NOT known OR e.far_is_local OR e.far_broker_instance IS DISTINCT FROM from_instance THEN
+            PERFORM broker._raise('BR005', format('unknown conversation %s', conversation));
+        END IF;
+        held := e.receive_sequence;
+        IF first_sent > held + 1 AND NOT ends_it THEN
+            PERFORM broker._record_lost_messages(e, 'received', held + 1, first_sent - 1, 'missing');
+            RETURN result || jsonb_build_object('acknowledged', held, 'held', held, 'waiting', format(
+                'messages %s to %s of the conversation are missing here (its database went back to an earlier '
+                'point?): send them again', held + 1, first_sent - 1));
+        END IF;
+        acknowledged := broker._accept_messages(e, header -> 'messages');
+        UPDATE broker.lost_messages l
+        SET outcome = CASE WHEN ends_it THEN 'lost' ELSE 'resent' END
+        WHERE l.conversation_id = conversation AND l.is_initiator = NOT sender_is_initiator
+          AND l.direction = 'received' AND l.outcome = 'missing' AND l.last_number <= acknowledged;
+        RETURN result || jsonb_build_object('acknowledged', acknowledged, 'held', held);
+    EXCEPTION WHEN SQLSTATE 'BR030' THEN
+        RETURN result || jsonb_build_object('acknowledged', coalesce(e.receive_sequence, 0), 'waiting', SQLERRM);
+    WHEN lock_not_available THEN
+        RETURN result || jsonb_build_object(
+            'acknowledged', (SELECT receive_sequence FROM broker.endpoints
+                             WHERE conversation_id = conversation AND is_initiator = NOT sender_is_initiator),
+            'waiting', 'an application transaction holds the conversation here');
+    WHEN OTHERS THEN
+        failed_sqlstate := SQLSTATE;
+        failure := SQLERRM;
+        IF failed_sqlstate NOT LIKE 'BR%' AND failed_sqlstate NOT IN ('22P02', '22023', '22007', '22008') THEN
+            RAISE;  -- not the conversation's fault: fail the batch, the sender retries
+        END IF;
+    END;
+    -- Refused: end this side too, if it is the sender's, so both sides see broker.error.
+    SELECT * INTO e FROM broker.endpoints
+    WHERE conversation_id = conversation AND is_initiator = NOT sender_is_initiator
+      AND NOT far_is_local AND far_broker_instance = from_instance;
+    IF FOUND AND e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
+        e := broker._lock_endpoint(e.conversation_handle);
+        PERFORM broker._fail_conversation(e, -3, 'the conversation was refused: ' || failure);
+    END IF;
+    RETURN result || jsonb_build_object('acknowledged', coalesce(e.receive_sequence, 0),
+                                        'refused', jsonb_build_object('sqlstate', failed_sqlstate, 'reason', failure));
+END $$;
+GRANT EXECUTE ON FUNCTION broker._accept_conversation(uuid,jsonb) TO broker_relay;
+
+-- Locks the endpoints of the batch's conversations that can take it in bulk,
+-- in the order of their conversation ids: one probe of the unique index each,
+-- whatever the plan (a join here could be planned to rescan the batch once per
+-- endpoint).  One that an application transaction holds is passed over, not
+-- waited for: the node's own work never takes part in a deadlock with an
+-- application (broker._accept_conversation answers that it waits).
+CREATE OR REPLACE FUNCTION broker._lock_batch_conversations(from_instance uuid) RETURNS broker._batch_conversation[]
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN (
+    SELECT array_agg(ROW(e.conversation_handle, e.conversation_id, e.is_initiator, e.receive_sequence, e.queue_id,
+                         e.conversation_group_id, e.contract_id, e.priority)::broker._batch_conversation)
+    FROM (SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_transport_batch b
+          ORDER BY b.conversation_id, b.sender_is_initiator) c,
+         LATERAL (SELECT e.* FROM broker.endpoints e
+                  WHERE e.conversation_id = c.conversation_id AND e.is_initiator = NOT c.sender_is_initiator
+                    AND NOT e.far_is_local AND e.far_broker_instance = from_instance
+                    AND e.state IN ('conversing', 'disconnected_inbound')
+                    AND (SELECT q.is_enabled FROM broker.queues q WHERE q.queue_id = e.queue_id)
+                  FOR UPDATE SKIP LOCKED) e);
+END $$;
+GRANT EXECUTE ON FUNCTION broker._lock_batch_conversations(uuid) TO broker_relay;
+
+-- Opens the batch's new conversations for services here that take their
+-- contract, when all their messages are plain and the first is number 1, and
+-- only from services that this node routes to the sending node (see
+-- broker._create_target_endpoint, which refuses the rest): the target
+-- endpoints, each in a new group, created together.
+CREATE OR REPLACE FUNCTION broker._open_batch_conversations(from_instance uuid, limit_bytes integer) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    WITH new_conversations AS (
+        SELECT b.conversation_id, array_agg(DISTINCT b.message_type) AS message_types,
+               max(coalesce(octet_length(b.body), 0)) AS largest_body
+        FROM pg_temp.incoming_transport_batch b
+        WHERE b.sender_is_initiator
+        GROUP BY b.conversation_id
+        HAVING min(b.sequence_number) = 1
+           AND NOT EXISTS (SELECT 1 FROM broker.endpoints e
+                           WHERE e.conversation_id = b.conversation_id AND NOT e.is_initiator)
+           AND NOT EXISTS (SELECT 1 FROM broker.forgotten_conversations f
+                           WHERE f.conversation_id = b.conversation_id AND NOT f.is_initiator)
+    ), headers AS (  -- each new conversation's header, from its lowest-numbered message
+        SELECT DISTINCT ON (b.conversation_id) b.*
+        FROM pg_temp.incoming_transport_batch b
+        JOIN new_conversations n ON n.conversation_id = b.conversation_id
+        WHERE b.sender_is_initiator
+        ORDER BY b.conversation_id, b.sequence_number
+    ), plain AS (
+        SELECT p.contract_id, array_agg(p.name) AS message_types
+        FROM broker._plain_message_types p WHERE p.sent_by_initiator GROUP BY p.contract_id
+    ), opening AS (
+        SELECT gen_random_uuid() AS conversation_group_id, h.conversation_id, s.service_id, s.queue_id,
+               ct.contract_id, broker._check_name('service', h.from_service) AS far_service, h.expires_at,
+               broker._priority(h.contract, h.to_service, h.from_service) AS priority
+        FROM new_conversations n
+        JOIN headers h ON h.conversation_id = n.conversation_id
+        JOIN broker.routes r ON r.service_name = h.from_service AND r.broker_instance = from_instance
+        JOIN broker.services s ON s.name = h.to_service
+        JOIN broker.queues q ON q.queue_id = s.queue_id AND q.is_enabled
+        JOIN broker.contracts ct ON ct.name = h.contract
+        JOIN broker.service_contracts sc ON sc.service_id = s.service_id AND sc.contract_id = ct.contract_id
+        JOIN plain ON plain.contract_id = ct.contract_id
+        WHERE n.message_types <@ plain.message_types AND n.largest_body <= limit_bytes
+    ), opened_groups AS (
+        INSERT INTO broker.conversation_groups (conversation_group_id, queue_id)
+        SELECT conversation_group_id, queue_id FROM opening
+    )
+    INSERT INTO broker.endpoints (conversation_handle, conversation_id, is_initiator, conversation_group_id,
+                                  service_id, queue_id, far_service, far_is_local, far_broker_instance,
+                                  contract_id, expires_at, priority)
+    SELECT gen_random_uuid(), o.conversation_id, false, o.conversation_group_id, o.service_id, o.queue_id,
+           o.far_service, false, from_instance, o.contract_id, o.expires_at, o.priority
+    FROM opening o;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._open_batch_conversations(uuid,integer) TO broker_relay;
+
+-- The steady state of a batch in a few statements: the batch's conversations
+-- that are new here, or whose endpoint talks with the sending node, reads, and
+-- has its queue enabled, when every message that comes next is plain.  The
+-- batch is in pg_temp.incoming_transport_batch.  Returns their results; the
+-- caller takes the others (refused, carrying system messages, ...) one by one.
+-- Conversations with a broker.error among their new messages are left to the
+-- careful way, which accepts an error across the numbers its sender dropped
+-- (see broker._accept_messages), and so are those whose new messages begin
+-- past a gap, which it records.  Numbers recorded missing that arrive are
+-- recorded resent (broker.lost_messages).
+CREATE OR REPLACE FUNCTION broker._accept_in_bulk(from_instance uuid) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    limit_bytes integer := (SELECT max_message_bytes FROM broker.node);
+    taken broker._batch_conversation[];
+    results jsonb;
+    queues integer[];
+    careful uuid[];
+BEGIN
+    taken := broker._lock_batch_conversations(from_instance);
+    IF EXISTS (SELECT b.conversation_id FROM pg_temp.incoming_transport_batch b WHERE b.sender_is_initiator
+               EXCEPT SELECT t.conversation_id FROM unnest(taken) t) THEN
+        PERFORM broker._open_batch_conversations(from_instance, limit_bytes);
+        taken := broker._lock_batch_conversations(from_instance);
+    END IF;
+    IF taken IS NULL THEN
+        RETURN '[]';
+    END IF;
+    -- Conversations with a broker.error among their new messages go the careful
+    -- way, even when the error lies beyond a gap: it may skip the numbers its
+    -- sender dropped (see broker._transmit_error).  So do those whose new
+    -- messages begin past a gap.
+    SELECT coalesce(array_agg(c.conversation_handle), '{}') INTO careful
+    FROM (SELECT t.conversation_handle
+          FROM unnest(taken) t
+          JOIN pg_temp.incoming_transport_batch b
+            ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
+          WHERE b.sequence_number > t.receive_sequence
+          GROUP BY t.conversation_handle, t.receive_sequence
+          HAVING bool_or(b.message_type = 'broker.error') OR min(b.sequence_number) > t.receive_sequence + 1) c;
+
+    -- Each conversation's run of numbers after receive_sequence without a gap;
+    -- a conversation is taken here only when all of its run is plain.
+    WITH fresh AS (
+        SELECT DISTINCT ON (t.conversation_handle, b.sequence_number)
+               t.*, b.sequence_number, b.message_type, b.body, b.traceparent
+        FROM unnest(taken) t
+        JOIN pg_temp.incoming_transport_batch b
+          ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
+        WHERE b.sequence_number > t.receive_sequence
+        ORDER BY t.conversation_handle, b.sequence_number
+    ), next_run AS (
+        SELECT f.*, row_number() OVER (PARTITION BY f.conversation_handle ORDER BY f.sequence_number) AS k
+        FROM fresh f
+    ), judged AS (
+        SELECT r.*, p.message_type_id,
+               bool_and(p.name IS NOT NULL AND coalesce(octet_length(r.body), 0) <= limit_bytes)
+                   OVER (PARTITION BY r.conversation_handle) AS plain
+        FROM next_run r
+        LEFT JOIN broker._plain_message_types p
+               ON p.contract_id = r.contract_id AND p.sent_by_initiator = NOT r.is_initiator
+              AND p.name = r.message_type
+        WHERE r.sequence_number = r.receive_sequence + r.k
+    ), accepted AS (
+        SELECT j.*, row_number() OVER (ORDER BY j.conversation_handle, j.sequence_number) AS place
+        FROM judged j WHERE j.plain AND j.conversation_handle <> ALL (careful)
+    ), stored AS (
+        INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
+                                           conversation_id, message_sequence_number, message_type_id, body, priority,
+                                           traceparent)
+        SELECT a.queue_id, (SELECT broker._next_queue_positions(count(*)::integer) FROM accepted) + a.place - 1,
+               a.conversation_group_id, a.conversation_handle, a.conversation_id, a.sequence_number,
+               a.message_type_id, a.body, a.priority, a.traceparent
+        FROM accepted a
+        RETURNING queue_id
+    ), moved_on AS (
+        UPDATE broker.endpoints e SET receive_sequence = last.sequence_number
+        FROM (SELECT a.conversation_handle, max(a.sequence_number) AS sequence_number
+              FROM accepted a GROUP BY a.conversation_handle) last
+        WHERE e.conversation_handle = last.conversation_handle
+        RETURNING e.conversation_handle, e.conversation_id, e.is_initiator, e.receive_sequence
+    ), resent AS (
+        UPDATE broker.lost_messages l SET outcome = 'resent'
+        FROM moved_on m
+        WHERE l.outcome = 'missing' AND l.conversation_id = m.conversation_id AND l.is_initiator = m.is_initiator
+          AND l.direction = 'received' AND l.last_number <= m.receive_sequence
+    )
+    SELECT coalesce(jsonb_agg(jsonb_build_object(
+               'conversation_id', t.conversation_id, 'sender_is_initiator', NOT t.is_initiator,
+               'acknowledged', coalesce(m.receive_sequence, t.receive_sequence), 'held', t.receive_sequence)), '[]'),
+           (SELECT array_agg(DISTINCT queue_id) FROM stored)
+    INTO results, queues
+    FROM unnest(taken) t
+    LEFT JOIN moved_on m ON m.conversation_handle = t.conversation_handle
+    WHERE NOT EXISTS (SELECT 1 FROM judged j WHERE j.conversation_handle = t.conversation_handle AND NOT j.plain)
+      AND t.conversation_handle <> ALL (careful);
+    PERFORM pg_notify('broker_queue', q::text) FROM unnest(queues) q;
+    RETURN results;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._accept_in_bulk(uuid) TO broker_relay;
+
+-- The batch is in pg_temp.incoming_transport_batch (rows of
+-- broker.transport_message, filled by COPY in this transaction): the steady
+-- state in bulk, the rest one conversation at a time, each in a subtransaction
+-- of its own so that a bad conversation never spoils the rest.  Anything the
+-- bulk path trips over sends the whole batch the careful way.
+--
+-- The conversations that are not the sender's are set aside first: those known
+-- here (by an endpoint, or by the tombstone of a forgotten one) other than as
+-- this node's side of a conversation with the sending node.  That is another
+-- peer's conversation, a local one, or the side this node holds itself.  Each
+-- is refused exactly as a conversation that does not exist is, so the sender
+-- learns nothing of it, and its rows leave the batch before anything else reads
+-- it: nothing of it changes.
+CREATE OR REPLACE FUNCTION broker.accept_transport_batch(from_instance uuid) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    not_the_senders jsonb;
+    in_bulk jsonb;
+    one_by_one jsonb;
+BEGIN
+    -- Each trace of the batch checked once: a malformed traceparent refuses the
+    -- whole batch (SQLSTATE 23514), before anything is stored.
+    PERFORM given::broker.traceparent
+    FROM (SELECT DISTINCT b.traceparent AS given FROM pg_temp.incoming_transport_batch b) traces;
+    WITH batch_conversations AS (
+        SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_transport_batch b
+    ), foreign_conversations AS (
+        SELECT c.* FROM batch_conversations c
+        WHERE EXISTS (SELECT 1 FROM broker.endpoints e
+                      WHERE e.conversation_id = c.conversation_id
+                        AND (e.is_initiator = c.sender_is_initiator OR e.far_is_local
+                             OR e.far_broker_instance IS DISTINCT FROM from_instance))
+           OR EXISTS (SELECT 1 FROM broker.forgotten_conversations f
+                      WHERE f.conversation_id = c.conversation_id
+                        AND (f.is_initiator = c.sender_is_initiator OR f.far_broker_instance <> from_instance))
+    ), set_aside AS (
+        DELETE FROM pg_temp.incoming_transport_batch b USING foreign_conversations f
+        WHERE b.conversation_id = f.conversation_id AND b.sender_is_initiator = f.sender_is_initiator
+    )
+    SELECT coalesce(jsonb_agg(jsonb_build_object(
+               'conversation_id', f.conversation_id, 'sender_is_initiator', f.sender_is_initiator, 'acknowledged', 0,
+               'refused', jsonb_build_object('sqlstate', 'BR005',
+                                             'reason', format('unknown conversation %s', f.conversation_id)))), '[]')
+    INTO not_the_senders
+    FROM foreign_conversations f;
+
+    BEGIN
+        in_bulk := broker._accept_in_bulk(from_instance);
+    EXCEPTION WHEN OTHERS THEN
+        in_bulk := '[]';
+    END;
+    WITH taken_in_bulk AS (
+        SELECT * FROM jsonb_to_recordset(in_bulk) AS r(conversation_id uuid, sender_is_initiator boolean)
+    ), left_over AS (
+        SELECT b.conversation_id, b.sender_is_initiator,
+               (array_agg(jsonb_build_object('conversation_id', b.conversation_id,
+                                             'sender_is_initiator', b.sender_is_initiator,
+                                             'from_service', b.from_service, 'to_service', b.to_service,
+                                             'contract', b.contract, 'expires_at', b.expires_at)
+                          ORDER BY b.sequence_number))[1] AS header,
+               jsonb_agg(jsonb_build_object('sequence_number', b.sequence_number, 'message_type', b.message_type,
+                                            'body', encode(b.body, 'base64'), 'traceparent', b.traceparent)
+                         ORDER BY b.sequence_number) AS messages
+        FROM pg_temp.incoming_transport_batch b
+        WHERE NOT EXISTS (SELECT 1 FROM taken_in_bulk t
+                          WHERE t.conversation_id = b.conversation_id AND t.sender_is_initiator = b.sender_is_initiator)
+        GROUP BY b.conversation_id, b.sender_is_initiator
+    )
+    SELECT coalesce(jsonb_agg(broker._accept_conversation(from_instance,
+                                                          l.header || jsonb_build_object('messages', l.messages))),
+                    '[]')
+    INTO one_by_one
+    FROM left_over l;
+    RETURN jsonb_build_object('broker_instance', (SELECT broker_instance FROM broker.node),
+                              'tombstone_retention_s', (SELECT extract(epoch FROM tombstone_retention)
+                                                        FROM broker.node),
+                              'results', not_the_senders || in_bulk || one_by_one);
+END $$;
+COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
+    'Stores what comes next of each conversation of the batch in pg_temp.incoming_transport_batch; returns the acknowledgements.';
+GRANT EXECUTE ON FUNCTION broker.accept_transport_batch(uuid) TO broker_relay;

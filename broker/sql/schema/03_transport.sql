@@ -1,0 +1,177 @@
+-- Between nodes: the transmission queue and what each side records of the
+-- other (progress, the resend window, lost messages, the peer's retention).
+
+-- What waits to be sent to another node, vacuumed as the queue tables are
+-- (see broker.queue_messages).
+CREATE TABLE broker.transmission_queue (
+    conversation_handle      uuid NOT NULL,
+    message_sequence_number  bigint NOT NULL,
+    conversation_id          uuid NOT NULL,
+    to_service               text NOT NULL,
+    message_type_id          integer NOT NULL,
+    body                     bytea,
+    enqueued_at              timestamptz NOT NULL DEFAULT now(),
+    attempts                 integer NOT NULL DEFAULT 0,
+    next_attempt_at          timestamptz NOT NULL DEFAULT now(),
+    transmission_status      text NOT NULL DEFAULT 'waiting for its first transmission',
+    priority                 smallint NOT NULL DEFAULT 5,  -- the sending endpoint's
+    traceparent              text,  -- the sending transaction's broker._traceparent()
+    -- A destination's messages of each priority in the order they are sent
+    -- (broker.transport_batch): a batch reads its own destination's messages
+    -- and no others.  to_service and priority are the sending endpoint's
+    -- far_service and priority, which every lookup by conversation gives.
+    PRIMARY KEY (to_service, priority, conversation_handle, message_sequence_number)
+) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
+-- The few messages whose transmission has failed: an answer from their
+-- destination resets them (broker.apply_transport_results) without a look at
+-- the others.
+CREATE INDEX transmission_queue_failed ON broker.transmission_queue (conversation_handle) WHERE attempts > 0;
+-- The messages held until a delivery time to come (broker._transmit): due
+-- later than they were queued, which no other message is until it fails.
+CREATE INDEX transmission_queue_held ON broker.transmission_queue (to_service, next_attempt_at)
+    WHERE next_attempt_at > enqueued_at;
+
+-- A destination that could not be reached, per relay lane (the conversations
+-- whose handles fall in [first_handle, last_handle]; a single conversation when
+-- its message alone is too large for the far node): one row, however many
+-- messages wait, so that a peer down for days with a long queue costs each
+-- retry one row.  The next answer from the destination for one of these
+-- conversations removes it (broker.apply_transport_results).
+CREATE TABLE broker.transmission_failures (
+    address          text NOT NULL,
+    first_handle     uuid NOT NULL,
+    last_handle      uuid NOT NULL,
+    attempts         integer NOT NULL,
+    failed_at        timestamptz NOT NULL,
+    next_attempt_at  timestamptz NOT NULL,
+    reason           text NOT NULL,
+    PRIMARY KEY (address, first_handle, last_handle)
+);
+
+-- How far each conversation side with a remote far side has got in sending:
+-- the highest number it put in a batch before the latest batch
+-- (previously_transmitted) and since (transmitted_sequence), the highest it
+-- had put in a batch when the latest answer applied (answered_sequence), and
+-- the highest number the far node acknowledged.  The relay commits a batch's
+-- numbers here before the batch leaves (broker.transport_batch), so the far
+-- node never holds a number above transmitted_sequence, and never held one
+-- above previously_transmitted before the batch came: an answer that says
+-- otherwise shows this database went back to an earlier point (a restore, a
+-- failover to a standby that lagged), and the numbers after
+-- answered_sequence are those its attempts since may have sent in vain.  An
+-- answer that acknowledges less than the far node did before shows that the
+-- far node's database went back.  See broker.apply_transport_results.
+CREATE TABLE broker.transmission_progress (
+    conversation_handle     uuid PRIMARY KEY,
+    previously_transmitted  bigint NOT NULL DEFAULT 0,
+    transmitted_sequence    bigint NOT NULL,
+    answered_sequence       bigint NOT NULL DEFAULT 0,
+    acknowledged_sequence   bigint NOT NULL DEFAULT 0
+) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000);
+
+-- What a far node acknowledged, kept for broker.node.resend_window: a peer
+-- whose database went back to an earlier point lost messages it had
+-- acknowledged, and gets exactly those again, in order (see
+-- broker._send_again).  Rows older than the window are forgotten by
+-- broker.forget_acknowledged_messages, which a running relay calls every
+-- minute.
+CREATE TABLE broker.acknowledged_messages (
+    conversation_handle      uuid NOT NULL,
+    message_sequence_number  bigint NOT NULL,
+    message_type_id          integer NOT NULL,
+    body                     bytea,
+    enqueued_at              timestamptz NOT NULL,
+    traceparent              text,
+    acknowledged_at          timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (conversation_handle, message_sequence_number)
+) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
+-- Rows come in the order they are acknowledged: a block range index finds the
+-- old ones for next to nothing per insert.
+CREATE INDEX acknowledged_messages_age ON broker.acknowledged_messages USING brin (acknowledged_at);
+
+-- Numbers of a conversation that one of its sides lost because its database
+-- went back to an earlier point, as this side found them: messages from the
+-- far node missing here (missing, until the far node sends them again:
+-- resent; or lost), messages this side had sent that the far node lost
+-- (resent from the resend window, or lost), or numbers this side used again
+-- that the far node already held (renumbered: this side's messages from
+-- first_number on were numbered past them).  A lost conversation ends with
+-- broker.error code -4 on both sides.  Rows go with their conversation when
+-- it is forgotten.  Messages that waited longer than the far node remembers
+-- are withheld (see broker.withhold_what_peers_forgot).  broker diagnose
+-- reports the missing, the lost and the withheld.
+CREATE TABLE broker.lost_messages (
+    conversation_id      uuid NOT NULL,
+    is_initiator         boolean NOT NULL,  -- this side's
+    far_broker_instance  uuid NOT NULL,
+    direction            text NOT NULL CHECK (direction IN ('received', 'sent')),
+    first_number         bigint NOT NULL,
+    last_number          bigint NOT NULL,
+    outcome              text NOT NULL CHECK (outcome IN ('missing', 'resent', 'renumbered', 'lost', 'withheld')),
+    found_at             timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (conversation_id, is_initiator, direction, first_number)
+);
+CREATE INDEX lost_messages_missing ON broker.lost_messages (conversation_id) WHERE outcome = 'missing';
+
+-- How long each peer remembers a conversation it ended and forgot (its
+-- broker.node.tombstone_retention), as every answer of its says.
+CREATE TABLE broker.peer_retention (
+    broker_instance      uuid PRIMARY KEY,
+    tombstone_retention  interval NOT NULL,
+    learned_at           timestamptz NOT NULL DEFAULT now()
+);
+
+-- A message's attempts and status are those of the latest failure that covers
+-- it, or else its own (the far node held its conversation back).
+CREATE VIEW broker.transmission_queue_status AS
+SELECT t.conversation_handle, t.conversation_id, t.to_service, t.message_sequence_number,
+       mt.name AS message_type, octet_length(t.body) AS body_bytes, t.enqueued_at,
+       coalesce(f.attempts, t.attempts) AS attempts,
+       coalesce(f.next_attempt_at, t.next_attempt_at) AS next_attempt_at,
+       CASE WHEN t.attempts = 0 AND t.next_attempt_at > now()
+                 THEN format('held until its delivery time, %s',
+                             to_char(t.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ'))
+            WHEN f.reason IS NOT NULL
+                 THEN format('%s (attempt %s, next at %s)', f.reason, f.attempts,
+                             to_char(f.next_attempt_at, 'YYYY-MM-DD HH24:MI:SS TZ'))
+            WHEN t.transmission_status = 'waiting for its first transmission'
+                 AND t.message_sequence_number <= p.transmitted_sequence
+                 THEN 'sent; no acknowledgement yet'
+            ELSE t.transmission_status END AS transmission_status,
+       t.traceparent
+FROM broker.transmission_queue t
+JOIN broker.message_types mt USING (message_type_id)
+LEFT JOIN broker.transmission_progress p USING (conversation_handle)
+LEFT JOIN LATERAL (SELECT f.* FROM broker.routes r
+                   JOIN broker.transmission_failures f ON f.address = r.address
+                   WHERE r.service_name = t.to_service
+                     AND t.conversation_handle BETWEEN f.first_handle AND f.last_handle
+                   ORDER BY f.failed_at DESC
+                   LIMIT 1) f ON true;
+
+-- One message of a transport batch, as it travels between nodes: a batch is
+-- PostgreSQL's binary COPY format of these rows, written by the sending
+-- node's COPY (SELECT * FROM broker.transport_batch(...)) TO STDOUT and read
+-- by the receiving node's COPY into a temporary table of this type.  Every
+-- row carries its conversation's header; a new conversation is opened with
+-- the header of its lowest-numbered message.
+CREATE TYPE broker.transport_message AS (
+    conversation_id      uuid,
+    sender_is_initiator  boolean,
+    from_service         text,
+    to_service           text,
+    contract             text,
+    expires_at           timestamptz,
+    sequence_number      bigint,
+    message_type         text,
+    body                 bytea,
+    traceparent          text  -- the span that handed it on (see broker.tracing)
+);
+
+-- A conversation of a batch whose endpoint here is locked for the batch.
+CREATE TYPE broker._batch_conversation AS (
+    conversation_handle uuid, conversation_id uuid, is_initiator boolean, receive_sequence bigint,
+    queue_id integer, conversation_group_id uuid, contract_id integer, priority smallint
+);

@@ -1,2 +1,0 @@
--- Removes everything revision 0001 created.
-DROP SCHEMA broker CASCADE;
