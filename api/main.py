@@ -49,7 +49,7 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
                api_connection_wait_s: float = 2.0, request_timeout_s: float = 30.0,
                max_clock_skew_s: float = signing.DEFAULT_MAX_CLOCK_SKEW_S, tls_ca_file: str | None = None
                ) -> FastAPI:
-    """The options are the settings of the same names (broker/settings.py)."""
+    """The options are the settings of the same names (broker/cli/settings.py)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # Routes that use the database run in threads: twice as many threads as connections lets as many

@@ -9,7 +9,7 @@ import psycopg2
 from sqlalchemy.engine import make_url
 
 from broker import migrate
-from broker.embedded import EmbeddedPostgres
+from broker.cli.embedded import EmbeddedPostgres
 
 
 class BenchServer:

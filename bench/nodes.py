@@ -13,7 +13,7 @@ import psycopg2
 
 from bench import workload
 from bench.databases import BenchServer
-from broker.processes import answers, free_port, start_broker, stop
+from broker.cli.processes import answers, free_port, start_broker, stop
 
 WAITING_TO_TRANSMIT = "SELECT count(*) FROM broker.transmission_queue"
 ARRIVED = "SELECT count(*) FROM broker.queue_messages"

@@ -12,7 +12,7 @@ from bench.databases import BenchServer
 from bench.nodes import serve_api
 from bench.results import Measurement, ScenarioResult
 from broker import api_keys
-from broker.processes import stop
+from broker.cli.processes import stop
 
 
 def _clients(count: int, work: Callable[[httpx.Client], int], errors: list[str]) -> float:

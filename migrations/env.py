@@ -7,7 +7,7 @@ from sqlalchemy import create_engine, pool
 
 from broker import schema
 from broker.migrate import VERSION_TABLE, refuse_older_than_baseline
-from broker.settings import database_url_for_migrations
+from broker.cli.settings import database_url_for_migrations
 
 config = context.config
 

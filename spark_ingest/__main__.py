@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 from broker.errors import BrokerError
-from broker.settings import Settings
+from broker.cli.settings import Settings
 from spark_ingest.errors import IngestError
 from spark_ingest.jdbc import spark_session
 from spark_ingest.job import ingest

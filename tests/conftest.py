@@ -9,7 +9,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
 from broker import migrate
-from broker.embedded import EmbeddedPostgres
+from broker.cli.embedded import EmbeddedPostgres
 from tests import factories
 
 TEMPLATE = "broker_test_template"

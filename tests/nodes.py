@@ -9,7 +9,7 @@ import httpx
 from sqlalchemy import create_engine, text
 
 import broker
-from broker.processes import free_port
+from broker.cli.processes import free_port
 
 SECRET = "shared-secret-between-a-and-b"
 MESSAGE_TYPES = [("order.submit", "json"), ("order.note", "none"), ("order.ack", "empty")]

@@ -21,9 +21,9 @@ from api.problems import KEYED, error_responses
 from api.routes.queues import QueueStatus
 from api.types import known_query_parameters
 from broker.api_keys import ApiKey
-from broker.diagnose import diagnose
+from broker.cli.diagnose import diagnose
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_FAILURES, RELAY_SENT
-from broker.status import node_status
+from broker.cli.status import node_status
 
 router = APIRouter()
 CONSOLE_PAGE = resources.files("api").joinpath("console.html").read_text()

@@ -14,7 +14,7 @@ from api.problems import KEYED, READS_BODY, Problem, error_responses
 from api.types import Name, Number, Text, integer, known_query_parameters
 from broker import queries
 from broker.api_keys import ApiKey
-from broker.status import conversation_life
+from broker.cli.status import conversation_life
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=error_responses(*KEYED),
                    dependencies=[Depends(known_query_parameters)])

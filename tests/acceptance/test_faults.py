@@ -20,7 +20,7 @@ from sqlalchemy import create_engine, text
 
 import broker
 from broker import migrate
-from broker.embedded import EmbeddedPostgres
+from broker.cli.embedded import EmbeddedPostgres
 from tests.chaos_proxy import ChaosProxy
 from tests.conftest import _fresh_database
 from tests.nodes import SECRET, Node, define_node, free_port, wait_for

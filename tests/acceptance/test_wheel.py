@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine
 
 from broker import migrate
-from broker.processes import answers, free_port
+from broker.cli.processes import answers, free_port
 from tests import factories
 from tests.nodes import wait_for
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import broker
-from broker.processes import free_port
+from broker.cli.processes import free_port
 from tests.factories import WAREHOUSE_QUEUE, begin
 
 PASSWORD = "TopSecret-pw-4711"

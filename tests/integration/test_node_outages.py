@@ -12,7 +12,7 @@ from sqlalchemy.engine import make_url
 
 import broker
 from broker import migrate
-from broker.embedded import EmbeddedPostgres
+from broker.cli.embedded import EmbeddedPostgres
 from tests import factories
 from tests.conftest import admin_execute
 from tests.nodes import Node

@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 
 import broker
 from broker import api_keys, migrate
-from broker.processes import answers, free_port, start_broker, stop
+from broker.cli.processes import answers, free_port, start_broker, stop
 from tests.conftest import _fresh_database, admin_execute
 from tests.nodes import SECRET, wait_for
 

@@ -52,7 +52,7 @@ def database_url_for_migrations() -> str:
     settings = Settings()
     if settings.database_url:
         return settings.database_url
-    from broker.embedded import EmbeddedPostgres
+    from broker.cli.embedded import EmbeddedPostgres
 
     server = EmbeddedPostgres(settings.data_dir)
     server.start(stop_at_exit=True)

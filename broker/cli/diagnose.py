@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from sqlalchemy import Connection
 
 from broker import queries, relay
-from broker.status import lost_messages_explained
+from broker.cli.status import lost_messages_explained
 from broker.transport import describe, signing, wire
 
 # A destination that has refused this many attempts in a row keeps refusing: an error, not a passing failure.

@@ -24,8 +24,8 @@ from sqlalchemy import Engine, create_engine, text
 import broker
 from broker import migrate, queries
 from broker.activation import run_activation
-from broker.embedded import EmbeddedPostgres
-from broker.processes import answers, free_port, start_broker, stop
+from broker.cli.embedded import EmbeddedPostgres
+from broker.cli.processes import answers, free_port, start_broker, stop
 
 LINE, CONFIRMED, CONTRACT = "order.line", "order.confirmed", "orders"
 COUNT_STORED = text("SELECT count(*), count(DISTINCT (conversation_id, message_sequence_number)),"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psycopg2
 
-from broker.processes import free_port
+from broker.cli.processes import free_port
 
 with warnings.catch_warnings():  # it warns at import about XDG_RUNTIME_DIR, which we do not use
     warnings.simplefilter("ignore")

@@ -17,9 +17,9 @@ from rich.text import Text
 from sqlalchemy import Engine, create_engine
 
 from broker import migrate as migrations
-from broker.embedded import EmbeddedPostgres
+from broker.cli.embedded import EmbeddedPostgres
 from broker.masking import mask_passwords
-from broker.settings import Settings
+from broker.cli.settings import Settings
 
 app = typer.Typer(help="Exactly-once-in-order messaging between PostgreSQL databases.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
@@ -334,7 +334,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
 
     from rich.table import Table
 
-    from broker.status import age, conversation_life, json_default, node_status
+    from broker.cli.status import age, conversation_life, json_default, node_status
 
     with database_engine() as engine, engine.connect() as connection:
         report = node_status(connection) if conversation is None else conversation_life(connection, conversation)
@@ -426,7 +426,7 @@ def diagnose(as_json: bool = typer.Option(False, "--json", help="print JSON inst
     import httpx
     from rich.table import Table
 
-    from broker.diagnose import diagnose as run_checks
+    from broker.cli.diagnose import diagnose as run_checks
 
     settings = Settings()
     with database_engine() as engine, engine.connect() as connection, \
@@ -548,12 +548,9 @@ def demo(
     restarted midway), Spark ingests what arrived, the warehouses consume it in order; the summary shows
     that every message arrived once, in order, and was ingested once. Leaves nothing running."""
     require_extra("demo", "spark", "pyspark")
-    from broker.demo import run_demo
+    from broker.cli.demo import run_demo
 
     with tempfile.TemporaryDirectory(prefix="broker-demo-") as folder:
         ok = run_demo(Path(folder), console, conversations=conversations, messages=messages)
     raise typer.Exit(0 if ok else 1)
 
-
-if __name__ == "__main__":
-    main()
