@@ -1,7 +1,7 @@
 -- Beginning and ending a conversation.
 
 ------------------------------------------------------------------------------
--- Conversation API
+-- Beginning
 ------------------------------------------------------------------------------
 
 -- The new conversation joins the group of related_conversation_group, or of
@@ -82,7 +82,7 @@ COMMENT ON FUNCTION broker.begin_dialog(text, text, text, interval, uuid, uuid) 
 GRANT EXECUTE ON FUNCTION broker.begin_dialog(text,text,text,interval,uuid,uuid) TO broker_application;
 
 ------------------------------------------------------------------------------
--- Ending, timers and lifetimes
+-- Ending
 ------------------------------------------------------------------------------
 
 -- An error goes to the far side by broker._transmit_error.  Error codes of 0

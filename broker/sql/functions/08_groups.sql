@@ -2,7 +2,7 @@
 -- application keeps with a group.
 
 ------------------------------------------------------------------------------
--- Moving and purging
+-- Moving a conversation to another group
 ------------------------------------------------------------------------------
 
 -- Moves one side of a conversation, and its waiting messages, to another
