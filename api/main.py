@@ -20,9 +20,9 @@ from api.problems import (InternalErrors, Problem, ProblemDetails, database_unav
                           from_problem, internal_error, problem)
 from api.routes import catalog, console, conversations, health, queues, transport
 from broker import migrate, queries
+from broker.cli.settings import Settings
 from broker.errors import BrokerError
 from broker.metrics import DatabaseCollector
-from broker.transport import signing
 
 DESCRIPTION = """
 Exactly-once-in-order conversations between services, over HTTP.
@@ -44,18 +44,15 @@ CONNECT_TIMEOUT_S = 5
 LIMIT_LOCK_WAITS = "SET lock_timeout = '5s'"
 
 
-def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
-               max_batch_bytes: int = 64 * 1024 * 1024, max_wait_ms: int = 60000, api_connections: int = 20,
-               api_connection_wait_s: float = 2.0, request_timeout_s: float = 30.0,
-               max_clock_skew_s: float = signing.DEFAULT_MAX_CLOCK_SKEW_S, tls_ca_file: str | None = None
-               ) -> FastAPI:
-    """The options are the settings of the same names (broker/cli/settings.py)."""
+def create_app(database_url: str, settings: Settings) -> FastAPI:
+    """The node's application on database_url, configured by settings (read once, where the node starts; the
+    routes take them as api.deps.NodeSettings)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # Routes that use the database run in threads: twice as many threads as connections lets as many
         # requests wait for a connection (and be answered 503 in time) as use one.
         limiter = anyio.to_thread.current_default_thread_limiter()
-        limiter.total_tokens = max(limiter.total_tokens, 2 * api_connections)
+        limiter.total_tokens = max(limiter.total_tokens, 2 * settings.api_connections)
         yield
         app.state.arrivals.close()
         app.state.engine.dispose()
@@ -64,13 +61,12 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
                   generate_unique_id_function=_operation_id)
     app.openapi = lambda: _openapi(app)
     # Statement parameters stay out of error messages (and so out of the log): they hold message bodies.
-    app.state.engine = create_engine(database_url, pool_size=api_connections, max_overflow=0,
-                                     pool_timeout=api_connection_wait_s, pool_pre_ping=True, hide_parameters=True,
+    app.state.engine = create_engine(database_url, pool_size=settings.api_connections, max_overflow=0,
+                                     pool_timeout=settings.api_connection_wait_s, pool_pre_ping=True,
+                                     hide_parameters=True,
                                      connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
     event.listen(app.state.engine, "connect", _limit_lock_waits)
-    app.state.max_wait_ms = max_wait_ms
-    app.state.max_clock_skew_s = max_clock_skew_s
-    app.state.tls_ca_file = tls_ca_file
+    app.state.settings = settings
     app.state.arrivals = Arrivals(database_url)
     app.state.schema_head = migrate.head_revision()
     app.state.database_metrics = CollectorRegistry()
@@ -80,10 +76,11 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
     for router in (conversations.router, conversations.messages_router, queues.router, catalog.router, health.router,
                    transport.router, console.router):
         app.include_router(router)
-    app.add_middleware(RequestLimits, limit_for=lambda path: max_batch_bytes if path.startswith("/transport/")
-                       else max_request_bytes, timeout_s=request_timeout_s)
+    app.add_middleware(RequestLimits, limit_for=lambda path: settings.max_batch_bytes
+                       if path.startswith("/transport/") else settings.max_request_bytes,
+                       timeout_s=settings.request_timeout_s)
     # outside RequestLimits: before the body is read
-    app.add_middleware(Admission, engine=app.state.engine, max_clock_skew_s=max_clock_skew_s)
+    app.add_middleware(Admission, engine=app.state.engine, max_clock_skew_s=settings.max_clock_skew_s)
     app.add_middleware(InternalErrors)
 
     @app.exception_handler(Problem)
@@ -105,7 +102,7 @@ def create_app(database_url: str, *, max_request_bytes: int = 32 * 1024 * 1024,
 
     @app.exception_handler(PoolTimeout)
     async def no_connection_free(request: Request, error: PoolTimeout):
-        return database_unavailable(f"all {api_connections} of the node's database connections are in use")
+        return database_unavailable(f"all {settings.api_connections} of the node's database connections are in use")
 
     @app.exception_handler(HTTPException)
     async def http_problem(request: Request, error: HTTPException):

@@ -6,6 +6,7 @@ import uvicorn
 from sqlalchemy import Engine
 
 from api.main import create_app
+from broker.cli.settings import Settings
 from broker import api_keys
 from tests.nodes import free_port, wait_for
 
@@ -14,7 +15,7 @@ class ApiServer:
     """create_app on the database, served by uvicorn on a free port of 127.0.0.1 until the block ends."""
 
     def __init__(self, database_url: str, **app_options):
-        self.app = create_app(database_url, **app_options)
+        self.app = create_app(database_url, Settings(**app_options))
         self.url = f"http://127.0.0.1:{free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))

@@ -4,14 +4,13 @@ from datetime import datetime
 from typing import Any, Literal
 from uuid import UUID
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
-from api.auth import api_key, require
+from api.deps import AdminKey, Database
 from api.problems import KEYED, error_responses
 from api.types import known_query_parameters
 from broker import queries
-from broker.api_keys import ApiKey
 
 router = APIRouter(prefix="/v1", tags=["catalog"], responses=error_responses(*KEYED),
                    dependencies=[Depends(known_query_parameters)])
@@ -66,43 +65,41 @@ class WaitingMessage(BaseModel):
     transmission_status: str = Field(description="why it is still waiting, in words")
 
 
-def _read(request: Request, key: ApiKey, query, **params) -> list[dict[str, Any]]:
-    require(key, "admin")
-    with request.app.state.engine.connect() as connection:
+def _read(db: Database, query, **params) -> list[dict[str, Any]]:
+    with db.connect() as connection:
         return queries.as_dicts(query(connection, **params))
 
 
 @router.get("/message-types", response_model=list[MessageType], summary="Message types")
-def list_message_types(request: Request, key: ApiKey = Depends(api_key)) -> Any:
-    return _read(request, key, queries.message_types)
+def list_message_types(key: AdminKey, db: Database) -> Any:
+    return _read(db, queries.message_types)
 
 
 @router.get("/contracts", response_model=list[Contract], summary="Contracts")
-def list_contracts(request: Request, key: ApiKey = Depends(api_key)) -> Any:
-    require(key, "admin")
-    with request.app.state.engine.connect() as connection:
+def list_contracts(key: AdminKey, db: Database) -> Any:
+    with db.connect() as connection:
         described = queries.contracts(connection)
     return [{"name": name, "message_types": {message_type: sides["sent_by"] for message_type, sides in types.items()}}
             for name, types in described.items()]
 
 
 @router.get("/services", response_model=list[Service], summary="Services")
-def list_services(request: Request, key: ApiKey = Depends(api_key)) -> Any:
-    return _read(request, key, queries.services)
+def list_services(key: AdminKey, db: Database) -> Any:
+    return _read(db, queries.services)
 
 
 @router.get("/routes", response_model=list[Route], summary="Routes to remote services")
-def list_routes(request: Request, key: ApiKey = Depends(api_key)) -> Any:
-    return _read(request, key, queries.routes)
+def list_routes(key: AdminKey, db: Database) -> Any:
+    return _read(db, queries.routes)
 
 
 @router.get("/broker-priorities", response_model=list[BrokerPriority], summary="Conversation priorities")
-def list_broker_priorities(request: Request, key: ApiKey = Depends(api_key)) -> Any:
-    return _read(request, key, queries.broker_priorities)
+def list_broker_priorities(key: AdminKey, db: Database) -> Any:
+    return _read(db, queries.broker_priorities)
 
 
 @router.get("/transmission-queue", response_model=list[WaitingMessage], tags=["queues"],
             summary="Messages waiting for a remote node's acknowledgement", responses=error_responses(422))
-def list_transmission_queue(request: Request, key: ApiKey = Depends(api_key),
+def list_transmission_queue(key: AdminKey, db: Database,
                             limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62)) -> Any:
-    return _read(request, key, queries.transmission_queue, limit=limit, offset=offset)
+    return _read(db, queries.transmission_queue, limit=limit, offset=offset)

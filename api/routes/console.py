@@ -16,14 +16,13 @@ from fastapi.responses import HTMLResponse
 from prometheus_client import Counter
 from pydantic import BaseModel
 
-from api.auth import api_key, require
+from api.deps import AdminKey, Database, NodeSettings
 from api.problems import KEYED, error_responses
 from api.routes.queues import QueueStatus
 from api.types import known_query_parameters
-from broker.api_keys import ApiKey
 from broker.cli.diagnose import diagnose
-from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_FAILURES, RELAY_SENT
 from broker.cli.status import node_status
+from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_FAILURES, RELAY_SENT
 
 router = APIRouter()
 CONSOLE_PAGE = resources.files("api").joinpath("console.html").read_text()
@@ -127,11 +126,9 @@ def _total(counter: Counter) -> float:
 
 @router.get("/v1/status", tags=["catalog"], responses=error_responses(*KEYED),
             dependencies=[Depends(known_query_parameters)], summary="What the node is doing: queues, endpoints, transmission queue, ingests, dead letters, lost messages, relay")
-async def get_status(request: Request, key: ApiKey = Depends(api_key)) -> NodeStatus:
-    require(key, "admin")
-
+async def get_status(key: AdminKey, db: Database) -> NodeStatus:
     def read() -> dict[str, Any]:
-        with request.app.state.engine.connect() as connection:
+        with db.connect() as connection:
             return node_status(connection)
 
     report = await run_in_threadpool(read)
@@ -152,18 +149,14 @@ class Finding(BaseModel):
 @router.get("/v1/diagnose", tags=["catalog"], responses=error_responses(422, *KEYED),
             dependencies=[Depends(known_query_parameters)],
             summary="The findings of `broker diagnose`: this node's configuration, its relay and every peer")
-async def get_diagnose(request: Request, key: ApiKey = Depends(api_key),
+async def get_diagnose(request: Request, key: AdminKey, db: Database, settings: NodeSettings,
                        max_wait_s: float = Query(300.0, ge=0, le=10**9, description=(
                            "a message waiting longer than this for its destination node is an error"))
                        ) -> list[Finding]:
-    require(key, "admin")
-    state = request.app.state
-
     def run() -> list[Finding]:
-        with state.engine.connect() as connection, \
-                httpx.Client(timeout=10, verify=state.tls_ca_file or True) as client:
-            findings = diagnose(connection, client, state.schema_head, max_wait_s=max_wait_s,
-                                max_clock_skew_s=state.max_clock_skew_s)
+        with db.connect() as connection, httpx.Client(timeout=10, verify=settings.tls_ca() or True) as client:
+            findings = diagnose(connection, client, request.app.state.schema_head, max_wait_s=max_wait_s,
+                                max_clock_skew_s=settings.max_clock_skew_s)
         return [Finding(**asdict(finding)) for finding in findings]
 
     return await run_in_threadpool(run)

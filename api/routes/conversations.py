@@ -3,13 +3,14 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 from uuid import UUID
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 from sqlalchemy import Connection
 
 import broker
 from api import bodies
-from api.auth import api_key, require
+from api.auth import require
+from api.deps import Database, Key
 from api.problems import KEYED, READS_BODY, Problem, error_responses
 from api.types import Name, Number, Text, integer, known_query_parameters
 from broker import queries
@@ -180,10 +181,10 @@ def _sending_endpoint(connection: Connection, key: ApiKey, handle: UUID):
 
 @router.post("", status_code=201, response_model=Conversation, summary="Begin a conversation",
              responses=error_responses(404, 409, *READS_BODY))
-def begin_conversation(begin: BeginConversation, request: Request, key: ApiKey = Depends(api_key)) -> Any:
+def begin_conversation(begin: BeginConversation, key: Key, db: Database) -> Any:
     require(key, f"send:{begin.from_service}")
     lifetime = timedelta(seconds=begin.lifetime_s) if begin.lifetime_s else None
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         handle = broker.begin_dialog(connection, begin.from_service, begin.to_service, begin.contract,
                                      lifetime=lifetime, related_conversation_group=begin.related_conversation_group,
                                      related_conversation=begin.related_conversation)
@@ -192,8 +193,8 @@ def begin_conversation(begin: BeginConversation, request: Request, key: ApiKey =
 
 @router.get("/{conversation_handle}", response_model=Conversation, summary="Look at one side of a conversation",
             responses=error_responses(404, 422))
-def get_conversation(conversation_handle: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Any:
-    with request.app.state.engine.connect() as connection:
+def get_conversation(conversation_handle: UUID, key: Key, db: Database) -> Any:
+    with db.connect() as connection:
         endpoint = _endpoint(connection, conversation_handle)
     require(key, *_scopes_of(endpoint))
     return endpoint._asdict()
@@ -202,18 +203,18 @@ def get_conversation(conversation_handle: UUID, request: Request, key: ApiKey = 
 @router.get("/{conversation_handle}/messages", response_model=ConversationLife,
             summary="Follow one side of a conversation: what it sent and received, and why each message here waits",
             responses=error_responses(404, 422))
-def get_conversation_messages(conversation_handle: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Any:
-    with request.app.state.engine.connect() as connection:
+def get_conversation_messages(conversation_handle: UUID, key: Key, db: Database) -> Any:
+    with db.connect() as connection:
         require(key, *_scopes_of(_endpoint(connection, conversation_handle)))
         return conversation_life(connection, conversation_handle)
 
 
 @router.post("/{conversation_handle}/messages", status_code=201, response_model=Sent, summary="Send a message",
              responses=error_responses(404, 409, *READS_BODY))
-def send_message(conversation_handle: UUID, message: SendMessage, request: Request,
-                 key: ApiKey = Depends(api_key), traceparent: str | None = TRACEPARENT) -> Sent:
+def send_message(conversation_handle: UUID, message: SendMessage, key: Key, db: Database,
+                 traceparent: str | None = TRACEPARENT) -> Sent:
     body = bodies.encode(message.body, message.body_base64)
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         _sending_endpoint(connection, key, conversation_handle)
         after = None if message.deliver_after_s is None else timedelta(seconds=message.deliver_after_s)
         delivery = {"deliver_after": after, "deliver_at": message.deliver_at, "traceparent": traceparent}
@@ -227,14 +228,13 @@ def send_message(conversation_handle: UUID, message: SendMessage, request: Reque
 
 @messages_router.post("/messages", response_model=SentMany, summary="Send many messages, on any conversations",
                       responses=error_responses(404, 409, *READS_BODY))
-def send_messages(batch: SendMessages, request: Request, key: ApiKey = Depends(api_key),
-                  traceparent: str | None = TRACEPARENT) -> SentMany:
+def send_messages(batch: SendMessages, key: Key, db: Database, traceparent: str | None = TRACEPARENT) -> SentMany:
     """One request and one transaction for many numbered sends: each as POST …/messages with its sequence_number
     would do it, all or none.  The key needs send:<service> for every conversation named."""
     handles = list(dict.fromkeys(message.conversation_handle for message in batch.messages))
     encoded = [(message.conversation_handle, message.sequence_number, message.message_type,
                 bodies.encode(message.body, message.body_base64)) for message in batch.messages]
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         services = queries.services_of_endpoints(connection, handles)
         unknown = next((handle for handle in handles if handle not in services), None)
         if unknown is not None:
@@ -248,10 +248,9 @@ def send_messages(batch: SendMessages, request: Request, key: ApiKey = Depends(a
 
 @router.post("/{conversation_handle}/end", response_model=Conversation, summary="End a conversation",
              responses=error_responses(404, 409, *READS_BODY))
-def end_conversation(conversation_handle: UUID, request: Request, end: EndConversation | None = None,
-                     key: ApiKey = Depends(api_key)) -> Any:
+def end_conversation(conversation_handle: UUID, key: Key, db: Database, end: EndConversation | None = None) -> Any:
     end = end or EndConversation()
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         _sending_endpoint(connection, key, conversation_handle)
         broker.end_conversation(connection, conversation_handle, error_code=end.error_code,
                                 error_description=end.error_description)
@@ -260,12 +259,11 @@ def end_conversation(conversation_handle: UUID, request: Request, end: EndConver
 
 @router.post("/{conversation_handle}/move", response_model=Conversation, summary="Move a conversation to another group",
              responses=error_responses(404, 409, *READS_BODY))
-def move_conversation(conversation_handle: UUID, move: MoveConversation, request: Request,
-                      key: ApiKey = Depends(api_key)) -> Any:
+def move_conversation(conversation_handle: UUID, move: MoveConversation, key: Key, db: Database) -> Any:
     """Moves this side of the conversation, and its waiting messages, to another conversation group of its
     queue (Service Broker's MOVE CONVERSATION): from then on they are locked and received with that group.
     409 in-use while a lock holds either group."""
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         require(key, f"receive:{_endpoint(connection, conversation_handle).queue_name}")
         broker.move_conversation(connection, conversation_handle, move.conversation_group)
         return _endpoint(connection, conversation_handle)._asdict()

@@ -5,17 +5,16 @@
 database connection is busy, so that a node that is only slow is not taken for dead."""
 from uuid import UUID
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import DBAPIError
 
-from api.auth import api_key, require
+from api.deps import AdminKey, Database
 from api.problems import KEYED, error_responses, problem
 from broker import queries
 from broker.transport import wire
-from broker.api_keys import ApiKey
 
 router = APIRouter(tags=["operations"])
 
@@ -37,10 +36,10 @@ async def healthz(request: Request) -> Health:
 
 @router.get("/readyz", summary="Readiness: the database answers and its schema is at head",
             response_model=Readiness, responses=error_responses(500, 503))
-def readyz(request: Request) -> Readiness | Response:
+def readyz(request: Request, db: Database) -> Readiness | Response:
     head = request.app.state.schema_head
     try:
-        with request.app.state.engine.connect() as connection:
+        with db.connect() as connection:
             version = queries.schema_revision(connection)
     except DBAPIError as error:
         return problem(503, "not-ready", "The database is unreachable", str(error.orig).strip()[:300])
@@ -53,7 +52,6 @@ def readyz(request: Request) -> Readiness | Response:
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
                        **error_responses(*KEYED)})
-def metrics(request: Request, key: ApiKey = Depends(api_key)) -> Response:
-    require(key, "admin")
+def metrics(request: Request, key: AdminKey) -> Response:
     exposition = generate_latest(REGISTRY) + generate_latest(request.app.state.database_metrics)
     return Response(exposition, media_type=CONTENT_TYPE_LATEST)

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import broker
 from api import bodies
-from api.auth import api_key, require
+from api.auth import require
+from api.deps import AdminKey, Database, Key, NodeSettings
 from api.problems import KEYED, READS_BODY, Problem, error_responses
 from api.types import NamePath, Number, Text, integer, known_query_parameters
 from broker import queries
@@ -170,8 +171,8 @@ def _queue_id(engine, queue: str) -> int:
 @router.post("/v1/queues/{queue}/receive", response_model=Received, summary="Receive with peek-lock",
              responses={204: {"description": "nothing arrived within wait_ms"},
                         **error_responses(404, 409, *READS_BODY)})
-async def receive(queue: NamePath, request: Request, options: ReceiveRequest | None = None,
-                  key: ApiKey = Depends(api_key)) -> Any:
+async def receive(queue: NamePath, request: Request, key: Key, db: Database, settings: NodeSettings,
+                  options: ReceiveRequest | None = None) -> Any:
     """Locks the next conversation group and returns its next messages in order.
 
     Complete the lock to consume them. Without that they come back after
@@ -180,17 +181,17 @@ async def receive(queue: NamePath, request: Request, options: ReceiveRequest | N
     """
     options = options or ReceiveRequest()
     require(key, f"receive:{queue}")
-    app = request.app
-    wait_s = min(options.wait_ms, app.state.max_wait_ms) / 1000
+    arrivals = request.app.state.arrivals
+    wait_s = min(options.wait_ms, settings.max_wait_ms) / 1000
     deadline = time.monotonic() + wait_s
-    messages = await run_in_threadpool(_lease, app.state.engine, queue, options)
+    messages = await run_in_threadpool(_lease, db, queue, options)
     if not messages and wait_s > 0:
-        queue_id = await run_in_threadpool(_queue_id, app.state.engine, queue)
-        with app.state.arrivals.subscription(queue_id) as arrived:
+        queue_id = await run_in_threadpool(_queue_id, db, queue)
+        with arrivals.subscription(queue_id) as arrived:
             while not messages and (remaining := deadline - time.monotonic()) > 0:
-                await app.state.arrivals.listen()  # again after the listener broke
+                await arrivals.listen()  # again after the listener broke
                 arrived.clear()
-                messages = await run_in_threadpool(_lease, app.state.engine, queue, options)
+                messages = await run_in_threadpool(_lease, db, queue, options)
                 if not messages:
                     await _wait(arrived, min(remaining, LOOK_AGAIN_S))
     if not messages:
@@ -240,8 +241,8 @@ def _locked_queue(connection, key: ApiKey, lock_token: UUID) -> str | None:
 
 @router.post("/v1/locks/{lock_token}/complete", response_model=Completed, summary="Consume a lock's messages",
              responses=error_responses(409, 422))
-def complete_lock(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Completed:
-    with request.app.state.engine.begin() as connection:
+def complete_lock(lock_token: UUID, key: Key, db: Database) -> Completed:
+    with db.begin() as connection:
         queue = _locked_queue(connection, key, lock_token)
         completed = broker.complete_lock(connection, lock_token)
     API_COMPLETED.labels(queue).inc(completed)
@@ -250,12 +251,11 @@ def complete_lock(lock_token: UUID, request: Request, key: ApiKey = Depends(api_
 
 @router.post("/v1/locks/{lock_token}/renew", response_model=Renewed, summary="Hold a lock longer",
              responses=error_responses(409, *READS_BODY))
-def renew_lock(lock_token: UUID, request: Request, options: RenewRequest | None = None,
-               key: ApiKey = Depends(api_key)) -> Renewed:
+def renew_lock(lock_token: UUID, key: Key, db: Database, options: RenewRequest | None = None) -> Renewed:
     """Extends a live lock to lock_s from now, so that long work keeps its messages without an expiry
     counting toward the poison threshold. A lock already lost answers lock-lost with its reason."""
     options = options or RenewRequest()
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         _locked_queue(connection, key, lock_token)
         expires = broker.renew_lock(connection, lock_token, timedelta(seconds=options.lock_s))
     return Renewed(lock_token=lock_token, lock_expires_at=expires)
@@ -263,9 +263,9 @@ def renew_lock(lock_token: UUID, request: Request, options: RenewRequest | None 
 
 @router.get("/v1/locks/{lock_token}/state", response_model=GroupState, summary="The state of a lock's group",
             responses=error_responses(409, 422))
-def get_group_state(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> GroupState:
+def get_group_state(lock_token: UUID, key: Key, db: Database) -> GroupState:
     """The state kept for the conversation group this live lock holds (null when none)."""
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         _locked_queue(connection, key, lock_token)
         group = queries.group_of_lock(connection, lock_token)
         return GroupState(state=broker.get_conversation_group_state(connection, group, lock_token))
@@ -273,11 +273,10 @@ def get_group_state(lock_token: UUID, request: Request, key: ApiKey = Depends(ap
 
 @router.put("/v1/locks/{lock_token}/state", response_model=GroupState, summary="Keep state for a lock's group",
             responses=error_responses(409, *READS_BODY))
-def set_group_state(lock_token: UUID, update: GroupState, request: Request,
-                    key: ApiKey = Depends(api_key)) -> GroupState:
+def set_group_state(lock_token: UUID, update: GroupState, key: Key, db: Database) -> GroupState:
     """Keeps state for the conversation group this live lock holds, until it is set again (null forgets it):
     the next reader of the group reads it, as Service Bus sessions keep theirs."""
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         _locked_queue(connection, key, lock_token)
         group = queries.group_of_lock(connection, lock_token)
         broker.set_conversation_group_state(connection, group, update.state, lock_token)
@@ -286,12 +285,11 @@ def set_group_state(lock_token: UUID, update: GroupState, request: Request,
 
 @router.post("/v1/locks/{lock_token}/dead-letter", response_model=DeadLettered,
              summary="Dead-letter a conversation of a lock", responses=error_responses(404, 409, *READS_BODY))
-def dead_letter(lock_token: UUID, request_body: DeadLetterRequest, request: Request,
-                key: ApiKey = Depends(api_key)) -> DeadLettered:
+def dead_letter(lock_token: UUID, request_body: DeadLetterRequest, key: Key, db: Database) -> DeadLettered:
     """Moves what waits of one conversation of the lock's messages to the dead letters, with the reason on its
     first message, and ends the conversation with broker.error (-2) on both sides; the lock ends, and its other
     messages come back, counting no failure."""
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         _locked_queue(connection, key, lock_token)
         moved = broker.dead_letter_conversation(connection, request_body.conversation_handle, request_body.reason,
                                                 lock_token)
@@ -300,8 +298,8 @@ def dead_letter(lock_token: UUID, request_body: DeadLetterRequest, request: Requ
 
 @router.post("/v1/locks/{lock_token}/abandon", response_model=Abandoned, summary="Hand a lock's messages back",
              responses=error_responses(409, 422))
-def abandon_lock(lock_token: UUID, request: Request, key: ApiKey = Depends(api_key)) -> Abandoned:
-    with request.app.state.engine.begin() as connection:
+def abandon_lock(lock_token: UUID, key: Key, db: Database) -> Abandoned:
+    with db.begin() as connection:
         queue = _locked_queue(connection, key, lock_token)
         quarantined = broker.abandon_lock(connection, lock_token)
     API_ABANDONED.labels(queue).inc()
@@ -309,17 +307,16 @@ def abandon_lock(lock_token: UUID, request: Request, key: ApiKey = Depends(api_k
 
 
 @router.get("/v1/queues", response_model=list[QueueStatus], summary="Status of every queue")
-def list_queues(request: Request, key: ApiKey = Depends(api_key)) -> list[QueueStatus]:
-    require(key, "admin")
-    with request.app.state.engine.connect() as connection:
+def list_queues(key: AdminKey, db: Database) -> list[QueueStatus]:
+    with db.connect() as connection:
         return [QueueStatus(**row._mapping) for row in queries.queue_statuses(connection)]
 
 
 @router.get("/v1/queues/{queue}", response_model=QueueStatus, summary="Status of one queue",
             responses=error_responses(404, 422))
-def get_queue_status(queue: NamePath, request: Request, key: ApiKey = Depends(api_key)) -> QueueStatus:
+def get_queue_status(queue: NamePath, key: Key, db: Database) -> QueueStatus:
     require(key, f"receive:{queue}")
-    with request.app.state.engine.connect() as connection:
+    with db.connect() as connection:
         row = next(iter(queries.queue_statuses(connection, queue)), None)
     if row is None:
         raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
@@ -328,21 +325,20 @@ def get_queue_status(queue: NamePath, request: Request, key: ApiKey = Depends(ap
 
 @router.post("/v1/queues/{queue}/purge", response_model=Purged, summary="Delete every message waiting in a queue",
              responses=error_responses(404, 422))
-def purge_queue(queue: NamePath, request: Request, key: ApiKey = Depends(api_key)) -> Purged:
+def purge_queue(queue: NamePath, key: AdminKey, db: Database) -> Purged:
     """Deletes every message waiting in the queue and ends its locks (needs the admin scope). The
     conversations go on without those messages."""
-    require(key, "admin")
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         return Purged(purged=broker.purge_queue(connection, queue))
 
 
 @router.get("/v1/queues/{queue}/dead-letters", response_model=list[DeadLetterMessage],
             summary="A queue's dead letters", responses=error_responses(404, 422))
-def list_dead_letters(queue: NamePath, request: Request, key: ApiKey = Depends(api_key),
+def list_dead_letters(queue: NamePath, key: Key, db: Database,
                       limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62)) -> Response:
     """The queue's dead letters, oldest first, each with why it was dead-lettered."""
     require(key, f"receive:{queue}")
-    with request.app.state.engine.connect() as connection:
+    with db.connect() as connection:
         if queries.queue_id(connection, queue) is None:
             raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
         letters = queries.dead_letters(connection, queue, limit, offset)
@@ -356,23 +352,20 @@ def _dead_letter_json(letter) -> str:
 
 @router.post("/v1/queues/{queue}/dead-letters/resubmit", response_model=Resubmitted,
              summary="Put a conversation's dead letters back", responses=error_responses(404, 409, *READS_BODY))
-def resubmit_dead_letters(queue: NamePath, resubmit: Resubmit, request: Request,
-                          key: ApiKey = Depends(api_key)) -> Resubmitted:
+def resubmit_dead_letters(queue: NamePath, resubmit: Resubmit, key: AdminKey, db: Database) -> Resubmitted:
     """Puts a quarantined conversation's dead letters back into the queue, in order, to be processed again
     (needs the admin scope); only while that side is in error, not yet ended."""
-    require(key, "admin")
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         return Resubmitted(resubmitted=broker.resubmit_dead_letters(connection, queue, resubmit.conversation_handle))
 
 
 @router.post("/v1/queues/{queue}/dead-letters/purge", response_model=Purged, summary="Delete a queue's dead letters",
              responses=error_responses(404, *READS_BODY))
-def purge_dead_letters(queue: NamePath, request: Request, options: PurgeDeadLetters | None = None,
-                       key: ApiKey = Depends(api_key)) -> Purged:
+def purge_dead_letters(queue: NamePath, key: AdminKey, db: Database,
+                       options: PurgeDeadLetters | None = None) -> Purged:
     """Deletes the queue's dead letters, or those dead-lettered longer ago than older_than_s (needs the admin
     scope)."""
-    require(key, "admin")
     options = options or PurgeDeadLetters()
     older_than = None if options.older_than_s is None else timedelta(seconds=options.older_than_s)
-    with request.app.state.engine.begin() as connection:
+    with db.begin() as connection:
         return Purged(purged=broker.purge_dead_letters(connection, queue, older_than))

@@ -178,13 +178,7 @@ def serve(
         scheme = "https" if tls_cert else "http"
         console.print(f"node listening on {scheme}://{host}:{port}" + (" with its relay" if relay else ""))
         try:
-            app = create_app(url, max_request_bytes=settings.max_request_bytes,
-                             max_batch_bytes=settings.max_batch_bytes, max_wait_ms=settings.max_wait_ms,
-                             api_connections=settings.api_connections,
-                             api_connection_wait_s=settings.api_connection_wait_s,
-                             request_timeout_s=settings.request_timeout_s,
-                             max_clock_skew_s=settings.max_clock_skew_s,
-                             tls_ca_file=settings.tls_ca())
+            app = create_app(url, settings)
             # A stop waits at most a few seconds for requests in progress (a long poll may wait a minute).
             uvicorn.run(app, host=host, port=port, log_level="warning", http=connections.protocol(
                 settings.request_timeout_s), limit_concurrency=settings.max_connections,
