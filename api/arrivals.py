@@ -12,9 +12,9 @@ from contextlib import contextmanager
 import psycopg2
 from fastapi.concurrency import run_in_threadpool
 
-log = logging.getLogger(__name__)
+from broker import queries
 
-CHANNEL = "broker_queue"
+log = logging.getLogger(__name__)
 
 
 class Arrivals:
@@ -56,7 +56,7 @@ class Arrivals:
     def _connect(self):
         connection = psycopg2.connect(self.database_url, connect_timeout=5)
         connection.autocommit = True
-        connection.cursor().execute(f"LISTEN {CHANNEL}")
+        connection.cursor().execute(queries.LISTEN_FOR_ARRIVALS)
         return connection
 
     def _on_readable(self) -> None:

@@ -39,9 +39,6 @@ Exactly-once-in-order conversations between services, over HTTP.
 
 # A database that does not answer a connection attempt within this long is unavailable (503).
 CONNECT_TIMEOUT_S = 5
-# A statement that waits this long for a lock gives up (503, nothing applied): a transaction that holds rows
-# for long must not hold the API's connections as long.
-LIMIT_LOCK_WAITS = "SET lock_timeout = '5s'"
 
 
 def create_app(database_url: str, settings: Settings) -> FastAPI:
@@ -156,5 +153,5 @@ def _openapi(app: FastAPI) -> dict:
 
 def _limit_lock_waits(dbapi_connection, _record) -> None:
     with dbapi_connection.cursor() as cursor:
-        cursor.execute(LIMIT_LOCK_WAITS)
+        cursor.execute(queries.LIMIT_LOCK_WAITS)
     dbapi_connection.commit()

@@ -12,34 +12,30 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Connection, Result, text
+from sqlalchemy import Connection, Result, TextClause
 from sqlalchemy.orm import Session
 
-from broker import tracing
+from broker import queries, tracing
 from broker.errors import translated_errors
 
 Executor = Connection | Session
-# A send statement follows, FROM traced: the setting is made before the send runs.
-TRACE_THE_SEND = "WITH traced AS MATERIALIZED (SELECT set_config('broker.traceparent', :traceparent, true))"
-END_THE_TRACE = "SELECT set_config('broker.traceparent', '', true)"
-
-
-def _call(executor: Executor, sql: str, **params: Any) -> Result:
+def _call(executor: Executor, statement: TextClause, **params: Any) -> Result:
     with translated_errors():
-        return executor.execute(text(sql), params)
+        return executor.execute(statement, params)
 
 
-def _send(executor: Executor, sql: str, traceparent: str | None, attributes: dict[str, Any], **params: Any) -> Any:
-    """Runs a send statement; its messages carry the trace of broker.tracing.sending, set for the statement as
-    broker.traceparent and cleared after it, so that it reaches no later send.  A send outside any trace costs
-    nothing more."""
+def _send(executor: Executor, statement: TextClause, traced: TextClause, traceparent: str | None,
+          attributes: dict[str, Any], **params: Any) -> Any:
+    """Runs a send statement; its messages carry the trace of broker.tracing.sending: the traced form of the
+    statement sets it as broker.traceparent before the send runs, and it is cleared after, so that it reaches no
+    later send.  A send outside any trace costs nothing more."""
     if traceparent is None and not tracing.enabled():
-        return _call(executor, sql, **params).scalar_one()
+        return _call(executor, statement, **params).scalar_one()
     with tracing.sending(traceparent, attributes) as handed_on:
         if handed_on is None:
-            return _call(executor, sql, **params).scalar_one()
-        sent = _call(executor, f"{TRACE_THE_SEND} {sql} FROM traced", traceparent=handed_on, **params).scalar_one()
-        _call(executor, END_THE_TRACE)
+            return _call(executor, statement, **params).scalar_one()
+        sent = _call(executor, traced, traceparent=handed_on, **params).scalar_one()
+        _call(executor, queries.END_THE_TRACE)
         return sent
 
 
@@ -88,69 +84,69 @@ class LockedMessage(ReceivedMessage):
 
 
 def create_message_type(executor: Executor, name: str, validation: str = "none") -> None:
-    _call(executor, "SELECT broker.create_message_type(:name, :validation)", name=name, validation=validation)
+    _call(executor, queries.CREATE_MESSAGE_TYPE, name=name, validation=validation)
 
 
 def drop_message_type(executor: Executor, name: str) -> None:
-    _call(executor, "SELECT broker.drop_message_type(:name)", name=name)
+    _call(executor, queries.DROP_MESSAGE_TYPE, name=name)
 
 
 def create_contract(executor: Executor, name: str, message_types: dict[str, str]) -> None:
     """message_types maps each message type to who sends it: "initiator", "target" or "any"."""
-    _call(executor, "SELECT broker.create_contract(:name, CAST(:types AS jsonb))",
+    _call(executor, queries.CREATE_CONTRACT,
           name=name, types=json.dumps(message_types))
 
 
 def drop_contract(executor: Executor, name: str) -> None:
-    _call(executor, "SELECT broker.drop_contract(:name)", name=name)
+    _call(executor, queries.DROP_CONTRACT, name=name)
 
 
 def create_queue(executor: Executor, name: str, *, enabled: bool = True, retention: bool = False,
                  poison_threshold: int = 5) -> None:
-    _call(executor, "SELECT broker.create_queue(:name, :enabled, :retention, :threshold)",
+    _call(executor, queries.CREATE_QUEUE,
           name=name, enabled=enabled, retention=retention, threshold=poison_threshold)
 
 
 def alter_queue(executor: Executor, name: str, *, enabled: bool | None = None, retention: bool | None = None,
                 poison_threshold: int | None = None) -> None:
     """Changes the settings given; None leaves a setting as it is."""
-    _call(executor, "SELECT broker.alter_queue(:name, :enabled, :retention, :threshold)",
+    _call(executor, queries.ALTER_QUEUE,
           name=name, enabled=enabled, retention=retention, threshold=poison_threshold)
 
 
 def drop_queue(executor: Executor, name: str) -> None:
-    _call(executor, "SELECT broker.drop_queue(:name)", name=name)
+    _call(executor, queries.DROP_QUEUE, name=name)
 
 
 def create_service(executor: Executor, name: str, queue: str, contracts: list[str] | tuple[str, ...] = ()) -> None:
-    _call(executor, "SELECT broker.create_service(:name, :queue, CAST(:contracts AS text[]))",
+    _call(executor, queries.CREATE_SERVICE,
           name=name, queue=queue, contracts=list(contracts))
 
 
 def drop_service(executor: Executor, name: str) -> None:
-    _call(executor, "SELECT broker.drop_service(:name)", name=name)
+    _call(executor, queries.DROP_SERVICE, name=name)
 
 
 def create_route(executor: Executor, service_name: str, address: str, broker_instance: UUID, secret: str) -> None:
     """Where a remote service lives: its node's base URL and instance id, and the secret shared with that node."""
-    _call(executor, "SELECT broker.create_route(:service, :address, :instance, :secret)",
+    _call(executor, queries.CREATE_ROUTE,
           service=service_name, address=address, instance=broker_instance, secret=secret)
 
 
 def drop_route(executor: Executor, service_name: str) -> None:
-    _call(executor, "SELECT broker.drop_route(:service)", service=service_name)
+    _call(executor, queries.DROP_ROUTE, service=service_name)
 
 
 def create_broker_priority(executor: Executor, name: str, priority: int, *, contract: str | None = None,
                            local_service: str | None = None, remote_service: str | None = None) -> None:
     """Service Broker's CREATE BROKER PRIORITY: conversation sides created from now on for this contract, local
     and remote service (None: any) get this priority, 1 to 10 (default 5); the most specific match wins."""
-    _call(executor, "SELECT broker.create_broker_priority(:name, :priority, :contract, :local, :remote)",
+    _call(executor, queries.CREATE_BROKER_PRIORITY,
           name=name, priority=priority, contract=contract, local=local_service, remote=remote_service)
 
 
 def drop_broker_priority(executor: Executor, name: str) -> None:
-    _call(executor, "SELECT broker.drop_broker_priority(:name)", name=name)
+    _call(executor, queries.DROP_BROKER_PRIORITY, name=name)
 
 
 # Conversations
@@ -161,8 +157,7 @@ def begin_dialog(executor: Executor, from_service: str, to_service: str, contrac
                  related_conversation: UUID | None = None) -> UUID:
     """Begins a conversation and returns the initiator's conversation handle. It joins the group given, or
     that of the local conversation side related_conversation."""
-    return _call(executor, "SELECT broker.begin_dialog(:from_service, :to_service, :contract, :lifetime, :group,"
-                           " :related)",
+    return _call(executor, queries.BEGIN_DIALOG,
                  from_service=from_service, to_service=to_service, contract=contract, lifetime=lifetime,
                  group=related_conversation_group, related=related_conversation).scalar_one()
 
@@ -174,7 +169,7 @@ def send(executor: Executor, conversation_handle: UUID, message_type: str, body:
     now, by the database's clock) or deliver_at, it is held until then, and the later messages of its
     conversation behind it.  The message belongs to the trace of traceparent, or else of the current
     OpenTelemetry span (see broker.tracing); every send function takes it."""
-    return _send(executor, "SELECT broker.send(:handle, :message_type, :body, :after, :at)", traceparent,
+    return _send(executor, queries.SEND, queries.SEND_TRACED, traceparent,
                  {"pg_broker.conversation_handle": str(conversation_handle), "pg_broker.message_type": message_type},
                  handle=conversation_handle, message_type=message_type, body=_as_bytes(body), after=deliver_after,
                  at=deliver_at)
@@ -185,8 +180,7 @@ def send_batch(executor: Executor, conversation_handles: Sequence[UUID], message
     """Sends bodies[i] on conversation_handles[i], all of one message type, in one statement; returns the
     sequence numbers in the order given.  A handle may repeat: its messages are numbered in that order.
     All or nothing, with the checks and errors of send."""
-    return _send(executor, "SELECT broker.send_batch(CAST(:handles AS uuid[]), :message_type,"
-                           " CAST(:bodies AS bytea[]))",
+    return _send(executor, queries.SEND_BATCH, queries.SEND_BATCH_TRACED,
                  traceparent, {"messaging.batch.message_count": len(conversation_handles),
                                "pg_broker.message_type": message_type},
                  handles=[str(handle) for handle in conversation_handles], message_type=message_type,
@@ -201,7 +195,7 @@ def send_numbered(executor: Executor, conversation_handle: UUID, sequence_number
 
     Raises SequenceConflict when the number is out of turn or was used for another content.
     """
-    return _send(executor, "SELECT broker.send_numbered(:handle, :number, :message_type, :body, :after, :at)",
+    return _send(executor, queries.SEND_NUMBERED, queries.SEND_NUMBERED_TRACED,
                  traceparent, {"pg_broker.conversation_handle": str(conversation_handle),
                                "pg_broker.message_type": message_type},
                  handle=conversation_handle, number=sequence_number, message_type=message_type,
@@ -214,8 +208,7 @@ def send_numbered_batch(executor: Executor, messages: Sequence[tuple[UUID, int, 
     or none, in one statement: whether each was sent now (False: that very message was sent already).
 
     Raises SequenceConflict for the first message out of turn or sent before with another content."""
-    return _send(executor, "SELECT broker.send_numbered_batch(CAST(:handles AS uuid[]), CAST(:numbers AS bigint[]),"
-                           " CAST(:message_types AS text[]), CAST(:bodies AS bytea[]))",
+    return _send(executor, queries.SEND_NUMBERED_BATCH, queries.SEND_NUMBERED_BATCH_TRACED,
                  traceparent, {"messaging.batch.message_count": len(messages)},
                  handles=[str(handle) for handle, _, _, _ in messages], numbers=[number for _, number, _, _ in messages],
                  message_types=[message_type for _, _, message_type, _ in messages],
@@ -231,7 +224,7 @@ def receive(executor: Executor, queue: str, max_messages: int | None = 1, *, con
     The messages are consumed when the caller commits and come back on rollback.
     """
     started_ns = time.time_ns()
-    rows = _call(executor, "SELECT * FROM broker.receive(:queue, :max_messages, :group, :wait_ms, :handle)",
+    rows = _call(executor, queries.RECEIVE,
                  queue=queue, max_messages=max_messages, group=conversation_group, wait_ms=wait_ms,
                  handle=conversation_handle)
     return _received(queue, started_ns,
@@ -247,8 +240,7 @@ def receive_with_lock(executor: Executor, queue: str, max_messages: int, lock_du
     They stay in the queue until complete_lock; abandon_lock or expiry hands them out again.
     """
     started_ns = time.time_ns()
-    rows = _call(executor, "SELECT * FROM broker.receive_with_lock(:queue, :max_messages, :lock_duration,"
-                           " :max_bytes, :handle)",
+    rows = _call(executor, queries.RECEIVE_WITH_LOCK,
                  queue=queue, max_messages=max_messages, lock_duration=lock_duration, max_bytes=max_bytes,
                  handle=conversation_handle)
     return _received(queue, started_ns,
@@ -257,38 +249,38 @@ def receive_with_lock(executor: Executor, queue: str, max_messages: int, lock_du
 
 def complete_lock(executor: Executor, lock_token: UUID) -> int:
     """Consumes a live lease's messages; returns how many. Raises LockLost when it is not live."""
-    return _call(executor, "SELECT broker.complete_lock(:token)", token=lock_token).scalar_one()
+    return _call(executor, queries.COMPLETE_LOCK, token=lock_token).scalar_one()
 
 
 def renew_lock(executor: Executor, lock_token: UUID, lock_duration: timedelta) -> datetime:
     """Extends a live lease to lock_duration from now; returns its new expiry. Raises LockLost, with why, when
     it is not live."""
-    return _call(executor, "SELECT broker.renew_lock(:token, :lock_duration)",
+    return _call(executor, queries.RENEW_LOCK,
                  token=lock_token, lock_duration=lock_duration).scalar_one()
 
 
 def abandon_lock(executor: Executor, lock_token: UUID) -> bool:
     """Hands a lease's messages back now; returns True when the failure quarantined the conversation."""
-    return _call(executor, "SELECT broker.abandon_lock(:token)", token=lock_token).scalar_one()
+    return _call(executor, queries.ABANDON_LOCK, token=lock_token).scalar_one()
 
 
 def get_conversation_group(executor: Executor, queue: str, wait_ms: int = 0) -> UUID | None:
     """Locks the next conversation group with messages until the transaction ends (wait_ms -1: waits until
     there is one) and returns it, or None."""
-    return _call(executor, "SELECT broker.get_conversation_group(:queue, :wait_ms)",
+    return _call(executor, queries.GET_CONVERSATION_GROUP,
                  queue=queue, wait_ms=wait_ms).scalar_one()
 
 
 def end_conversation(executor: Executor, conversation_handle: UUID, *, error_code: int | None = None,
                      error_description: str | None = None, cleanup: bool = False) -> None:
-    _call(executor, "SELECT broker.end_conversation(:handle, :code, :description, :cleanup)",
+    _call(executor, queries.END_CONVERSATION,
           handle=conversation_handle, code=error_code, description=error_description, cleanup=cleanup)
 
 
 def move_conversation(executor: Executor, conversation_handle: UUID, conversation_group: UUID) -> None:
     """Moves one side of a conversation, and its waiting messages, to another group of its queue (made when it
     does not exist). Raises InUse while a live lease holds either group."""
-    _call(executor, "SELECT broker.move_conversation(:handle, :group)",
+    _call(executor, queries.MOVE_CONVERSATION,
           handle=conversation_handle, group=conversation_group)
 
 
@@ -296,14 +288,14 @@ def get_conversation_group_state(executor: Executor, conversation_group: UUID,
                                  lock_token: UUID | None = None) -> Any:
     """The state kept for a conversation group that the caller holds (by its transaction, or by lock_token), as
     JSON values, or None. Holds the group until the transaction ends; raises InUse when another reader holds it."""
-    return _call(executor, "SELECT broker.get_conversation_group_state(:group, :token)",
+    return _call(executor, queries.GET_CONVERSATION_GROUP_STATE,
                  group=conversation_group, token=lock_token).scalar_one()
 
 
 def set_conversation_group_state(executor: Executor, conversation_group: UUID, state: Any,
                                  lock_token: UUID | None = None) -> None:
     """Keeps state (any JSON value; None forgets it) for a conversation group that the caller holds."""
-    _call(executor, "SELECT broker.set_conversation_group_state(:group, CAST(:state AS jsonb), :token)",
+    _call(executor, queries.SET_CONVERSATION_GROUP_STATE,
           group=conversation_group, state=None if state is None else json.dumps(state), token=lock_token)
 
 
@@ -312,33 +304,33 @@ def dead_letter_conversation(executor: Executor, conversation_handle: UUID, reas
     """Dead-letters a conversation whose next message the caller cannot process: what waits of it moves to
     broker.dead_letters (the first message with the reason) and it ends with broker.error (-2). The caller
     holds its group: by its transaction (after rolling back its receive), or by its lease's lock_token."""
-    return _call(executor, "SELECT broker.dead_letter_conversation(:handle, :reason, :token)",
+    return _call(executor, queries.DEAD_LETTER_CONVERSATION,
                  handle=conversation_handle, reason=reason, token=lock_token).scalar_one()
 
 
 def resubmit_dead_letters(executor: Executor, queue: str, conversation_handle: UUID) -> int:
     """Puts a quarantined conversation's dead letters back into its queue, in order; returns how many."""
-    return _call(executor, "SELECT broker.resubmit_dead_letters(:queue, :handle)",
+    return _call(executor, queries.RESUBMIT_DEAD_LETTERS,
                  queue=queue, handle=conversation_handle).scalar_one()
 
 
 def purge_dead_letters(executor: Executor, queue: str, older_than: timedelta | None = None) -> int:
     """Deletes a queue's dead letters (only those dead-lettered longer ago than older_than, when given)."""
-    return _call(executor, "SELECT broker.purge_dead_letters(:queue, :older_than)",
+    return _call(executor, queries.PURGE_DEAD_LETTERS,
                  queue=queue, older_than=older_than).scalar_one()
 
 
 def purge_queue(executor: Executor, queue: str) -> int:
     """Deletes every message waiting in a queue and ends its leases; returns how many messages it deleted."""
-    return _call(executor, "SELECT broker.purge_queue(:queue)", queue=queue).scalar_one()
+    return _call(executor, queries.PURGE_QUEUE, queue=queue).scalar_one()
 
 
 def begin_conversation_timer(executor: Executor, conversation_handle: UUID, timeout: timedelta) -> None:
-    _call(executor, "SELECT broker.begin_conversation_timer(:handle, :timeout)",
+    _call(executor, queries.BEGIN_CONVERSATION_TIMER,
           handle=conversation_handle, timeout=timeout)
 
 
 def report_processing_failure(executor: Executor, queue: str, conversation_group: UUID, reason: str) -> bool:
     """Counts a failed attempt at the group's head message; returns True when its conversation was quarantined."""
-    return _call(executor, "SELECT broker.report_processing_failure(:queue, :group, :reason)",
+    return _call(executor, queries.REPORT_PROCESSING_FAILURE,
                  queue=queue, group=conversation_group, reason=reason).scalar_one()

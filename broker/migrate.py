@@ -4,19 +4,13 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine
 
-from broker import schema
+from broker import queries, schema
 
 # Our own version table, so that an application's Alembic history in the same
 # database stays its own.
 VERSION_TABLE = "broker_alembic_version"
-SCHEMA_EXISTS = text(f"SELECT to_regnamespace('broker') IS NOT NULL"
-                     f" OR to_regclass('public.{VERSION_TABLE}') IS NOT NULL")
-# broker/sql/ creates the version table as Alembic does (it grants on it); the row is Alembic's stamp.
-STAMP = text(f"INSERT INTO public.{VERSION_TABLE} (version_num) VALUES (:revision)")
-REVISIONS_HELD = text(f"SELECT version_num FROM public.{VERSION_TABLE}")
-VERSION_TABLE_EXISTS = text(f"SELECT to_regclass('public.{VERSION_TABLE}') IS NOT NULL")
 # The revisions up to the baseline were squashed into it; the last release that holds them all upgrades a database
 # from any of them to the baseline.
 BASELINE = "0028"
@@ -64,11 +58,11 @@ def _build_if_empty(database_url: str) -> bool:
     engine = create_engine(database_url)
     try:
         with engine.begin() as connection:
-            connection.execute(schema.LOCK_SCHEMA_CHANGES)  # two processes starting on one new database build it once
-            if connection.execute(SCHEMA_EXISTS).scalar_one():
+            connection.execute(queries.LOCK_SCHEMA_CHANGES)  # two processes starting on one new database build it once
+            if connection.execute(queries.SCHEMA_EXISTS).scalar_one():
                 return False
             schema.create(connection)
-            connection.execute(STAMP, {"revision": head_revision()})
+            connection.execute(queries.STAMP, {"revision": head_revision()})
         return True
     finally:
         engine.dispose()
@@ -78,10 +72,10 @@ def refuse_older_than_baseline(connection) -> None:
     """Raises OlderThanBaseline when the database holds a revision that this release no longer has."""
     from alembic.script import ScriptDirectory
 
-    if not connection.execute(VERSION_TABLE_EXISTS).scalar_one():
+    if not connection.execute(queries.VERSION_TABLE_EXISTS).scalar_one():
         return
     known = {revision.revision for revision in ScriptDirectory.from_config(alembic_config("")).walk_revisions()}
-    for held in connection.execute(REVISIONS_HELD).scalars():
+    for held in connection.execute(queries.SCHEMA_REVISION).scalars():
         if held not in known:
             raise OlderThanBaseline(
                 f"the database's broker schema is at revision {held}, older than this release's baseline "

@@ -1,16 +1,15 @@
-"""Every read and write the Python side makes directly on the broker's tables and views, one named
-function each, so that the SQL a module depends on is found in one place.
-
-The SQL API (broker.send, broker.receive, …) is called through broker.core; what is here are the
-lookups around it: the node itself, routes and peers, the catalog as it is described, queues,
-the transmission queue, API keys and what `broker status` shows.
+"""Every statement the Python side runs on the broker's database, each named once here, so that the SQL a module
+depends on is found in one place: the SQL API as broker.core calls it, the lookups around it (the node, routes
+and peers, the catalog as it is described, queues, the transmission queue, API keys, what `broker status`
+shows), the relay's and the transport's statements, the REST API's and the Spark ingest's, and the schema's own
+records.  Where a lookup needs more than its statement, it is a function here too.
 """
 from typing import Any
 from uuid import UUID
 
 from sqlalchemy import Connection, Row, text
 
-# --- The node -----------------------------------------------------------------------------------
+# --- The node -------------------------------------------------------------------------------------
 
 BROKER_INSTANCE = text("SELECT broker_instance FROM broker.node")
 SCHEMA_REVISION = text("SELECT version_num FROM public.broker_alembic_version")
@@ -25,7 +24,7 @@ def schema_revision(connection: Connection) -> str | None:
     return connection.execute(SCHEMA_REVISION).scalar()
 
 
-# --- Routes and peers ---------------------------------------------------------------------------
+# --- Routes and peers -----------------------------------------------------------------------------
 
 ROUTES = text("SELECT service_name, address, broker_instance, created_at FROM broker.routes ORDER BY service_name")
 ROUTES_WITH_SECRETS = text(
@@ -68,7 +67,7 @@ def services_routed_to(connection: Connection, instance: str) -> list[str]:
     return list(connection.execute(SERVICES_ROUTED_TO, {"instance": instance}).scalars())
 
 
-# --- The catalog --------------------------------------------------------------------------------
+# --- The catalog ----------------------------------------------------------------------------------
 
 MESSAGE_TYPES = text("SELECT name, validation FROM broker.message_types ORDER BY name")
 # A contract as two nodes compare it: each message type, who sends it and its validation.
@@ -123,7 +122,7 @@ def contracts_in_use_by_remote_service(connection: Connection) -> dict[str, set[
     return in_use
 
 
-# --- Queues and conversations -------------------------------------------------------------------
+# --- Queues and conversations ---------------------------------------------------------------------
 
 QUEUE_STATUS = text(
     "SELECT queue_name, status, retention, poison_threshold, depth,"
@@ -221,7 +220,7 @@ def endpoint_handle(connection: Connection, conversation_id: UUID, is_initiator:
                                                 "is_initiator": is_initiator}).scalar_one()
 
 
-# --- The transmission queue ---------------------------------------------------------------------
+# --- The transmission queue -----------------------------------------------------------------------
 
 TRANSMISSION_QUEUE = text(
     "SELECT * FROM broker.transmission_queue_status ORDER BY enqueued_at, conversation_handle, message_sequence_number"
@@ -306,7 +305,7 @@ def routed_backlogs(connection: Connection, max_wait_s: float, lanes: int) -> li
     return connection.execute(ROUTED_BACKLOGS, {"max_wait_s": max_wait_s, "lanes": lanes}).all()
 
 
-# --- What `broker status` shows besides queues and the transmission queue ------------------------
+# --- What `broker status` shows besides queues and the transmission queue -------------------------
 
 CONVERSATION_COUNTS = text(
     "SELECT service_name, state, endpoints, oldest_created_at, without_lifetime"
@@ -376,7 +375,7 @@ def traced_dead_letters_after(connection: Connection, dead_letter_id: int) -> li
     return connection.execute(TRACED_DEAD_LETTERS_AFTER, {"after": dead_letter_id}).all()
 
 
-# --- API keys -----------------------------------------------------------------------------------
+# --- API keys -------------------------------------------------------------------------------------
 
 INSERT_API_KEY = text("INSERT INTO broker.api_keys (key_id, name, secret_sha256, scopes)"
                       " VALUES (:key_id, :name, :secret_sha256, :scopes)")
@@ -407,3 +406,134 @@ def revoke_api_key(connection: Connection, key_id: str) -> bool:
 
 def as_dicts(rows: list[Row]) -> list[dict[str, Any]]:
     return [row._asdict() for row in rows]
+
+
+# --- The SQL API, one statement per function of broker.core ---------------------------------------
+
+CREATE_MESSAGE_TYPE = text("SELECT broker.create_message_type(:name, :validation)")
+DROP_MESSAGE_TYPE = text("SELECT broker.drop_message_type(:name)")
+CREATE_CONTRACT = text("SELECT broker.create_contract(:name, CAST(:types AS jsonb))")
+DROP_CONTRACT = text("SELECT broker.drop_contract(:name)")
+CREATE_QUEUE = text("SELECT broker.create_queue(:name, :enabled, :retention, :threshold)")
+ALTER_QUEUE = text("SELECT broker.alter_queue(:name, :enabled, :retention, :threshold)")
+DROP_QUEUE = text("SELECT broker.drop_queue(:name)")
+CREATE_SERVICE = text("SELECT broker.create_service(:name, :queue, CAST(:contracts AS text[]))")
+DROP_SERVICE = text("SELECT broker.drop_service(:name)")
+CREATE_ROUTE = text("SELECT broker.create_route(:service, :address, :instance, :secret)")
+DROP_ROUTE = text("SELECT broker.drop_route(:service)")
+CREATE_BROKER_PRIORITY = text("SELECT broker.create_broker_priority(:name, :priority, :contract, :local, :remote)")
+DROP_BROKER_PRIORITY = text("SELECT broker.drop_broker_priority(:name)")
+BEGIN_DIALOG = text("SELECT broker.begin_dialog(:from_service, :to_service, :contract, :lifetime, :group, :related)")
+SEND = text("SELECT broker.send(:handle, :message_type, :body, :after, :at)")
+SEND_TRACED = text(
+    "WITH traced AS MATERIALIZED (SELECT set_config('broker.traceparent', :traceparent, true))"
+    " SELECT broker.send(:handle, :message_type, :body, :after, :at)"
+    " FROM traced")
+SEND_BATCH = text("SELECT broker.send_batch(CAST(:handles AS uuid[]), :message_type, CAST(:bodies AS bytea[]))")
+SEND_BATCH_TRACED = text(
+    "WITH traced AS MATERIALIZED (SELECT set_config('broker.traceparent', :traceparent, true))"
+    " SELECT broker.send_batch(CAST(:handles AS uuid[]), :message_type, CAST(:bodies AS bytea[]))"
+    " FROM traced")
+SEND_NUMBERED = text("SELECT broker.send_numbered(:handle, :number, :message_type, :body, :after, :at)")
+SEND_NUMBERED_TRACED = text(
+    "WITH traced AS MATERIALIZED (SELECT set_config('broker.traceparent', :traceparent, true))"
+    " SELECT broker.send_numbered(:handle, :number, :message_type, :body, :after, :at)"
+    " FROM traced")
+SEND_NUMBERED_BATCH = text(
+    "SELECT broker.send_numbered_batch(CAST(:handles AS uuid[]), CAST(:numbers AS bigint[]),"
+    " CAST(:message_types AS text[]), CAST(:bodies AS bytea[]))")
+SEND_NUMBERED_BATCH_TRACED = text(
+    "WITH traced AS MATERIALIZED (SELECT set_config('broker.traceparent', :traceparent, true))"
+    " SELECT broker.send_numbered_batch(CAST(:handles AS uuid[]), CAST(:numbers AS bigint[]),"
+    " CAST(:message_types AS text[]), CAST(:bodies AS bytea[]))"
+    " FROM traced")
+RECEIVE = text("SELECT * FROM broker.receive(:queue, :max_messages, :group, :wait_ms, :handle)")
+RECEIVE_WITH_LOCK = text(
+    "SELECT * FROM broker.receive_with_lock(:queue, :max_messages, :lock_duration, :max_bytes, :handle)")
+COMPLETE_LOCK = text("SELECT broker.complete_lock(:token)")
+RENEW_LOCK = text("SELECT broker.renew_lock(:token, :lock_duration)")
+ABANDON_LOCK = text("SELECT broker.abandon_lock(:token)")
+GET_CONVERSATION_GROUP = text("SELECT broker.get_conversation_group(:queue, :wait_ms)")
+END_CONVERSATION = text("SELECT broker.end_conversation(:handle, :code, :description, :cleanup)")
+MOVE_CONVERSATION = text("SELECT broker.move_conversation(:handle, :group)")
+GET_CONVERSATION_GROUP_STATE = text("SELECT broker.get_conversation_group_state(:group, :token)")
+SET_CONVERSATION_GROUP_STATE = text(
+    "SELECT broker.set_conversation_group_state(:group, CAST(:state AS jsonb), :token)")
+DEAD_LETTER_CONVERSATION = text("SELECT broker.dead_letter_conversation(:handle, :reason, :token)")
+RESUBMIT_DEAD_LETTERS = text("SELECT broker.resubmit_dead_letters(:queue, :handle)")
+PURGE_DEAD_LETTERS = text("SELECT broker.purge_dead_letters(:queue, :older_than)")
+PURGE_QUEUE = text("SELECT broker.purge_queue(:queue)")
+BEGIN_CONVERSATION_TIMER = text("SELECT broker.begin_conversation_timer(:handle, :timeout)")
+REPORT_PROCESSING_FAILURE = text("SELECT broker.report_processing_failure(:queue, :group, :reason)")
+# A traced send sets broker.traceparent for its transaction; this clears it after the send.
+END_THE_TRACE = text("SELECT set_config('broker.traceparent', '', true)")
+
+
+# --- The relay (broker.relay) ---------------------------------------------------------------------
+
+NEXT_BATCH = ("COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s,"
+              " %(first)s, %(last)s)) TO STDOUT (FORMAT binary)")
+# The batch a lane sent, for one transaction, beside the answer that is applied to it.
+STAGE_SENT_BATCH = text("CREATE TEMPORARY TABLE IF NOT EXISTS sent_transport_batch OF broker.transport_message"
+                        " ON COMMIT DELETE ROWS")
+COPY_SENT_BATCH = "COPY pg_temp.sent_transport_batch FROM STDIN (FORMAT binary)"
+APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb))")
+RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, :last, :reason, :retry_after)")
+FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
+FORGET_ACKNOWLEDGED_MESSAGES = text("SELECT broker.forget_acknowledged_messages()")
+WITHHOLD_WHAT_PEERS_FORGOT = text("SELECT broker.withhold_what_peers_forgot()")
+
+
+# --- A transport batch accepted (broker.transport.receiving) --------------------------------------
+
+# The batch's rows live for one transaction in a temporary table of the session.
+STAGE_BATCH = text(
+    "CREATE TEMPORARY TABLE IF NOT EXISTS incoming_transport_batch OF broker.transport_message"
+    " (conversation_id WITH OPTIONS NOT NULL, sender_is_initiator WITH OPTIONS NOT NULL,"
+    "  sequence_number WITH OPTIONS NOT NULL, message_type WITH OPTIONS NOT NULL) ON COMMIT DELETE ROWS")
+COPY_BATCH = "COPY pg_temp.incoming_transport_batch FROM STDIN (FORMAT binary)"
+ACCEPT_BATCH = text("SELECT broker.accept_transport_batch(:instance)::text")
+
+
+# --- The node's timers (broker.timers) ------------------------------------------------------------
+
+FIRE_DUE_EVENTS = text("SELECT broker.fire_due_events()")
+COUNT_UNREPORTED_ROLLBACKS = text("SELECT broker.count_unreported_rollbacks()")
+LISTEN_FOR_TRANSMISSIONS = "LISTEN broker_transmission_queue"
+
+
+# --- The REST API (api) ---------------------------------------------------------------------------
+
+# A statement that waits this long for a lock gives up (503, nothing applied): a transaction that holds rows
+# for long must not hold the API's connections as long.
+LIMIT_LOCK_WAITS = "SET lock_timeout = '5s'"
+# Readers that wait for a queue wake on broker._enqueue's notification.
+LISTEN_FOR_ARRIVALS = "LISTEN broker_queue"
+
+
+# --- The Spark ingest (spark_ingest) --------------------------------------------------------------
+
+TRY_LOCK_INGEST = text("SELECT broker.try_lock_ingest(:queue, :output)")
+HOLDS_INGEST_LOCK = text("SELECT broker.holds_ingest_lock(:queue, :output)")
+START_INGEST = text("SELECT * FROM broker.start_ingest(:queue, :output)")
+INGEST_PARTITIONS = text("SELECT * FROM broker.ingest_partitions(:queue, :after, :up_to, :count)")
+ADVANCE_INGEST_CHECKPOINT = text(
+    "SELECT broker.advance_ingest_checkpoint(:queue, :output, :after, :up_to, :run, :rows, :consume)")
+# The session waits while Spark writes: the server's idle_session_timeout must not end it (PostgreSQL 14+).
+NO_IDLE_SESSION_TIMEOUT = text(
+    "SELECT set_config(name, '0', false) FROM pg_settings WHERE name = 'idle_session_timeout'")
+
+
+# --- The schema's own records (broker.schema, broker.migrate) -------------------------------------
+
+# Two processes that build or upgrade one database at once do it one after the other.
+LOCK_SCHEMA_CHANGES = text("SELECT pg_advisory_xact_lock(hashtext('broker schema build'))")
+SCHEMA_EXISTS = text("SELECT to_regnamespace('broker') IS NOT NULL"
+                     " OR to_regclass('public.broker_alembic_version') IS NOT NULL")
+VERSION_TABLE_EXISTS = text("SELECT to_regclass('public.broker_alembic_version') IS NOT NULL")
+# broker/sql/ creates the version table as Alembic does (it grants on it); the row is Alembic's stamp.
+STAMP = text("INSERT INTO public.broker_alembic_version (version_num) VALUES (:revision)")
+FUNCTION_FILES_APPLIED = text("SELECT file_name, sha256 FROM broker.function_files")
+RECORD_FUNCTION_FILE = text(
+    "INSERT INTO broker.function_files (file_name, sha256) VALUES (:file_name, :sha256)"
+    " ON CONFLICT (file_name) DO UPDATE SET sha256 = excluded.sha256")

@@ -28,7 +28,7 @@ from datetime import timedelta
 
 import httpx
 import psycopg2
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine
 from sqlalchemy.exc import DataError, DBAPIError
 
 from broker import queries, timers, tracing
@@ -39,7 +39,6 @@ from broker.transport.sending import BatchTooLarge, TransportFailure, post_batch
 
 log = logging.getLogger(__name__)
 
-NOTIFY_CHANNEL = "broker_transmission_queue"
 LANES = 2
 IDLE_WAKE_S = 1.0
 # Routes change seldom: a lane looks at them again after this long, not in every cycle.
@@ -50,17 +49,6 @@ DESTINATIONS_REFRESH_S = 1.0
 # messages that waited longer than their peer remembers are withheld.
 FORGET_EVERY_S = 60.0
 
-NEXT_BATCH = ("COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s,"
-              " %(first)s, %(last)s)) TO STDOUT (FORMAT binary)")
-# The batch a lane sent, for one transaction, beside the answer that is applied to it.
-STAGE_SENT_BATCH = text("CREATE TEMPORARY TABLE IF NOT EXISTS sent_transport_batch OF broker.transport_message"
-                        " ON COMMIT DELETE ROWS")
-COPY_SENT_BATCH = "COPY pg_temp.sent_transport_batch FROM STDIN (FORMAT binary)"
-APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb))")
-RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, :last, :reason, :retry_after)")
-FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
-FORGET_ACKNOWLEDGED_MESSAGES = text("SELECT broker.forget_acknowledged_messages()")
-WITHHOLD_WHAT_PEERS_FORGOT = text("SELECT broker.withhold_what_peers_forgot()")
 # A message that a destination refuses as too large on its own is tried again this often (its limit may be raised).
 OVERSIZED_RETRY_S = 60.0
 
@@ -126,7 +114,7 @@ class Relay:
             try:
                 listener = psycopg2.connect(self.database_url)
                 listener.autocommit = True
-                listener.cursor().execute(f"LISTEN {NOTIFY_CHANNEL}")
+                listener.cursor().execute(queries.LISTEN_FOR_TRANSMISSIONS)
                 self._wake({""})
                 while not stop.is_set():
                     if select.select([listener], [], [], IDLE_WAKE_S)[0]:
@@ -210,9 +198,9 @@ class Lane:
             self.connection = self.relay.engine.connect()
         connection = self.connection
         if self.index == 0 and time.monotonic() >= self.forget_at:
-            connection.execute(FORGET_CLOSED_ENDPOINTS)
-            connection.execute(FORGET_ACKNOWLEDGED_MESSAGES)
-            connection.execute(WITHHOLD_WHAT_PEERS_FORGOT)
+            connection.execute(queries.FORGET_CLOSED_ENDPOINTS)
+            connection.execute(queries.FORGET_ACKNOWLEDGED_MESSAGES)
+            connection.execute(queries.WITHHOLD_WHAT_PEERS_FORGOT)
             connection.commit()
             self.forget_at = time.monotonic() + FORGET_EVERY_S
         if time.monotonic() >= self.destinations_at:
@@ -272,7 +260,7 @@ class Lane:
         at most the relay's count, and max_bytes unless its first message alone is larger."""
         batch = io.BytesIO()
         with self.connection.begin(), self.connection.connection.cursor() as cursor:  # a transaction of its own
-            cursor.copy_expert(cursor.mogrify(NEXT_BATCH, {
+            cursor.copy_expert(cursor.mogrify(queries.NEXT_BATCH, {
                 "address": address, "max_messages": self.relay.batch_messages, "max_bytes": max_bytes,
                 "first": self.first_handle, "last": self.last_handle}).decode(), batch)
             messages = cursor.rowcount
@@ -282,11 +270,11 @@ class Lane:
         """Applies the destination's answer to the batch it answers, in one transaction; returns how many
         messages it acknowledged.  The batch goes into a temporary table by COPY, so that the answer settles
         only the messages the batch carried (see broker.apply_transport_results)."""
-        with_temporary_table(self.connection, "sent_transport_batch", STAGE_SENT_BATCH)
+        with_temporary_table(self.connection, "sent_transport_batch", queries.STAGE_SENT_BATCH)
         try:
             with self.connection.begin(), self.connection.connection.cursor() as cursor:
-                cursor.copy_expert(COPY_SENT_BATCH, io.BytesIO(batch))
-                return self.connection.execute(APPLY_ANSWER, {"answer": answer}).scalar_one()
+                cursor.copy_expert(queries.COPY_SENT_BATCH, io.BytesIO(batch))
+                return self.connection.execute(queries.APPLY_ANSWER, {"answer": answer}).scalar_one()
         except DataError as error:  # the results are not what a transport answer holds: nothing was applied
             raise TransportFailure(f"the answer from {destination.address} is malformed: "
                                    f"{str(error.orig).strip().splitlines()[0]}") from error
@@ -304,7 +292,7 @@ class Lane:
         reason = (f"{address} answered HTTP 413: the message alone is {len(batch)} bytes in a batch, over that "
                   f"node's limit{limit}")
         log.warning("conversation %s: %s; retrying in %.0f s", handle, reason, OVERSIZED_RETRY_S)
-        self.connection.execute(RECORD_FAILURE, {"address": address, "first": handle, "last": handle,
+        self.connection.execute(queries.RECORD_FAILURE, {"address": address, "first": handle, "last": handle,
                                                  "reason": reason, "retry_after": timedelta(seconds=OVERSIZED_RETRY_S)})
         self.connection.commit()
 
@@ -313,7 +301,7 @@ class Lane:
         retry_after = backoff_s(failures)
         self.retry_at[address] = time.monotonic() + retry_after
         log.warning("%s; retrying in %.1f s", reason, retry_after)
-        self.connection.execute(RECORD_FAILURE, {"address": address, "first": self.first_handle,
+        self.connection.execute(queries.RECORD_FAILURE, {"address": address, "first": self.first_handle,
                                                  "last": self.last_handle, "reason": reason,
                                                  "retry_after": timedelta(seconds=retry_after)})
         self.connection.commit()

@@ -10,14 +10,8 @@ import hashlib
 from importlib import resources
 from importlib.resources.abc import Traversable
 
-from sqlalchemy import text
+from broker import queries
 
-# Two processes that build or upgrade one database at once do it one after the other.
-LOCK_SCHEMA_CHANGES = text("SELECT pg_advisory_xact_lock(hashtext('broker schema build'))")
-FUNCTION_FILES_APPLIED = text("SELECT file_name, sha256 FROM broker.function_files")
-RECORD_FUNCTION_FILE = text(
-    "INSERT INTO broker.function_files (file_name, sha256) VALUES (:file_name, :sha256)"
-    " ON CONFLICT (file_name) DO UPDATE SET sha256 = excluded.sha256")
 FUNCTION_PRIVILEGES = "function_privileges.sql"
 
 
@@ -50,15 +44,15 @@ def apply_functions(connection) -> list[str]:
     """Applies every function file whose text differs from what the database last applied, in the connection's
     transaction; returns their names.  The functions are replaced in place (CREATE OR REPLACE), so sessions that
     call them go on while this runs."""
-    connection.execute(LOCK_SCHEMA_CHANGES)
-    applied = {name: bytes(sha256) for name, sha256 in connection.execute(FUNCTION_FILES_APPLIED)}
+    connection.execute(queries.LOCK_SCHEMA_CHANGES)
+    applied = {name: bytes(sha256) for name, sha256 in connection.execute(queries.FUNCTION_FILES_APPLIED)}
     changed = []
     for file in function_files():
         script = file.read_text()
         sha256 = hashlib.sha256(script.encode()).digest()
         if applied.get(file.name) != sha256:
             execute_script(connection, script)
-            connection.execute(RECORD_FUNCTION_FILE, {"file_name": file.name, "sha256": sha256})
+            connection.execute(queries.RECORD_FUNCTION_FILE, {"file_name": file.name, "sha256": sha256})
             changed.append(file.name)
     if changed:
         execute_script(connection, (resources.files("broker") / "sql" / FUNCTION_PRIVILEGES).read_text())

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from broker import queries, tracing
@@ -26,10 +26,6 @@ FIRE_EVERY_S = 0.25
 COUNT_ROLLBACKS_EVERY_S = 1.0
 REPORT_DEAD_LETTERS_EVERY_S = 1.0
 MOST_COUNTED_AT_ONCE = 100
-FIRE_DUE_EVENTS = text("SELECT broker.fire_due_events()")
-COUNT_UNREPORTED_ROLLBACKS = text("SELECT broker.count_unreported_rollbacks()")
-
-
 def _every(interval_s: float, engine: Engine, stop: threading.Event, work: Callable[[Engine], None],
            what: str) -> None:
     """Runs work every interval_s until stop is set."""
@@ -48,14 +44,14 @@ def _once(engine: Engine, stop: threading.Event, work: Callable[[Engine], None],
 
 def _fire(engine: Engine) -> None:
     with engine.begin() as connection:
-        connection.execute(FIRE_DUE_EVENTS)
+        connection.execute(queries.FIRE_DUE_EVENTS)
 
 
 def _count_rollbacks(engine: Engine) -> None:
     counted = 0
     while counted < MOST_COUNTED_AT_ONCE:  # one a transaction: waiting for one group never holds another
         with engine.begin() as connection:
-            if not connection.execute(COUNT_UNREPORTED_ROLLBACKS).scalar_one():
+            if not connection.execute(queries.COUNT_UNREPORTED_ROLLBACKS).scalar_one():
                 break
         counted += 1
     if counted:

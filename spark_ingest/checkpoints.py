@@ -1,27 +1,28 @@
 """The SQL an ingest run calls: one function per SQL function of revisions 0004 and 0010."""
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
+from broker import queries
 from broker.errors import translated_errors
 
 
 def try_lock(connection: Connection, queue: str, output: str) -> bool:
     """A session lock on (queue, output), held until the connection closes."""
     with translated_errors():
-        return connection.execute(text("SELECT broker.try_lock_ingest(:queue, :output)"),
+        return connection.execute(queries.TRY_LOCK_INGEST,
                                   {"queue": queue, "output": output}).scalar_one()
 
 
 def holds_lock(connection: Connection, queue: str, output: str) -> bool:
     """Whether this connection's session still holds the lock on (queue, output)."""
     with translated_errors():
-        return connection.execute(text("SELECT broker.holds_ingest_lock(:queue, :output)"),
+        return connection.execute(queries.HOLDS_INGEST_LOCK,
                                   {"queue": queue, "output": output}).scalar_one()
 
 
 def start(connection: Connection, queue: str, output: str) -> tuple[int, int]:
     """The checkpoint and the high-water mark: the run reads the positions in (after, up_to]."""
     with translated_errors():
-        row = connection.execute(text("SELECT * FROM broker.start_ingest(:queue, :output)"),
+        row = connection.execute(queries.START_INGEST,
                                  {"queue": queue, "output": output}).one()
     return row.after_position, row.up_to_position
 
@@ -29,7 +30,7 @@ def start(connection: Connection, queue: str, output: str) -> tuple[int, int]:
 def partitions(connection: Connection, queue: str, after: int, up_to: int, count: int) -> list[tuple[int, int]]:
     """Up to `count` consecutive ranges of nearly equal size: (last position, rows) of each."""
     with translated_errors():
-        rows = connection.execute(text("SELECT * FROM broker.ingest_partitions(:queue, :after, :up_to, :count)"),
+        rows = connection.execute(queries.INGEST_PARTITIONS,
                                   {"queue": queue, "after": after, "up_to": up_to, "count": count})
         return [(row.last_position, row.row_count) for row in rows]
 
@@ -41,6 +42,5 @@ def advance(connection: Connection, queue: str, output: str, after: int, up_to: 
     Refused (LockLost) unless this connection's session holds the lock on (queue, output)."""
     with translated_errors():
         return connection.execute(
-            text("SELECT broker.advance_ingest_checkpoint(:queue, :output, :after, :up_to, :run, :rows, :consume)"),
-            {"queue": queue, "output": output, "after": after, "up_to": up_to, "run": run, "rows": rows,
+            queries.ADVANCE_INGEST_CHECKPOINT, {"queue": queue, "output": output, "after": after, "up_to": up_to, "run": run, "rows": rows,
              "consume": consume}).scalar_one()

@@ -12,15 +12,12 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from broker import queries
 from spark_ingest import checkpoints
 from spark_ingest.errors import IngestError
-
-# The session waits while Spark writes: the server's idle_session_timeout must not end it (PostgreSQL 14+).
-NO_IDLE_SESSION_TIMEOUT = text(
-    "SELECT set_config(name, '0', false) FROM pg_settings WHERE name = 'idle_session_timeout'")
 
 WATCH_INTERVAL_S = 5.0
 
@@ -56,7 +53,7 @@ class RunLock:
         with self.transaction() as session:
             if not checkpoints.try_lock(session, self._queue, self._output):
                 raise IngestError(f"another ingest of queue {self._queue!r} into {self._output} is running")
-            session.execute(NO_IDLE_SESSION_TIMEOUT)
+            session.execute(queries.NO_IDLE_SESSION_TIMEOUT)
 
     def verify(self) -> None:
         """Raises IngestError unless this session still holds the lock."""

@@ -28,6 +28,9 @@ from broker.cli.embedded import EmbeddedPostgres
 from broker.cli.processes import answers, free_port, start_broker, stop
 
 LINE, CONFIRMED, CONTRACT = "order.line", "order.confirmed", "orders"
+# The warehouse application's own table: each order line it consumed, recorded in the consuming transaction.
+CREATE_ORDER_LINES = text("CREATE TABLE order_lines (conversation_id uuid, message_sequence_number bigint, line int)")
+RECORD_ORDER_LINE = text("INSERT INTO order_lines VALUES (:conversation, :number, :line)")
 COUNT_STORED = text("SELECT count(*), count(DISTINCT (conversation_id, message_sequence_number)),"
                     " count(*) FILTER (WHERE line <> message_sequence_number) FROM order_lines")
 
@@ -80,14 +83,14 @@ def _define(node: DemoNode, peer: DemoNode, secret: str) -> None:
         broker.create_service(c, node.service("warehouse"), "warehouse_queue", [CONTRACT])
         for role in ("shop", "warehouse"):
             broker.create_route(c, peer.service(role), peer.address, peer.instance, secret)
-        c.execute(text("CREATE TABLE order_lines (conversation_id uuid, message_sequence_number bigint, line int)"))
+        c.execute(CREATE_ORDER_LINES)
 
 
 def _warehouse(connection, batch) -> None:
     """Records each order line in the transaction that consumes it; confirms and ends on the last."""
     for message in batch:
         if message.message_type == LINE:
-            connection.execute(text("INSERT INTO order_lines VALUES (:conversation, :number, :line)"),
+            connection.execute(RECORD_ORDER_LINE,
                                {"conversation": message.conversation_id, "number": message.message_sequence_number,
                                 "line": message.json()["line"]})
             if message.json()["last"]:

@@ -33,6 +33,8 @@ with warnings.catch_warnings():  # it warns at import about XDG_RUNTIME_DIR, whi
 log = logging.getLogger(__name__)
 
 DATABASE = "broker"
+DATABASE_EXISTS = "SELECT 1 FROM pg_database WHERE datname = %s"
+CREATE_DATABASE = 'CREATE DATABASE "broker"'
 SUPERUSER = "postgres"
 # Who may connect: anyone on this machine who knows the password, over TCP (the server has no Unix socket).
 CLIENT_AUTHENTICATION = """\
@@ -146,9 +148,9 @@ class EmbeddedPostgres:
         connection.autocommit = True
         try:
             with connection.cursor() as cursor:
-                cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,))
+                cursor.execute(DATABASE_EXISTS, (DATABASE,))
                 if cursor.fetchone() is None:
-                    cursor.execute(f'CREATE DATABASE "{DATABASE}"')
+                    cursor.execute(CREATE_DATABASE)
         finally:
             connection.close()
 

@@ -9,21 +9,12 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 
 import psycopg2
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DataError, IntegrityError
 
 from broker import queries, tracing
 from broker.sessions import with_temporary_table
 from broker.transport import signing, wire
-
-# The batch's rows live for one transaction in a temporary table of the session.
-STAGE_BATCH = text(
-    "CREATE TEMPORARY TABLE IF NOT EXISTS incoming_transport_batch OF broker.transport_message"
-    " (conversation_id WITH OPTIONS NOT NULL, sender_is_initiator WITH OPTIONS NOT NULL,"
-    "  sequence_number WITH OPTIONS NOT NULL, message_type WITH OPTIONS NOT NULL) ON COMMIT DELETE ROWS")
-COPY_BATCH = "COPY pg_temp.incoming_transport_batch FROM STDIN (FORMAT binary)"
-ACCEPT_BATCH = text("SELECT broker.accept_transport_batch(:instance)::text")
-
 
 class Malformed(Exception):
     """The body is not what the endpoint takes; the message says what is wrong with it."""
@@ -45,13 +36,13 @@ def accept_batch(engine: Engine, our_instance: str, peer_instance: str, headers:
     purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.BATCH_MEDIA_TYPE, our_instance)
     try:  # the traces' spans end after the commit (ExitStack), and only for a signed batch
         with engine.connect() as connection, ExitStack() as traces, \
-                with_temporary_table(connection, "incoming_transport_batch", STAGE_BATCH).begin():
+                with_temporary_table(connection, "incoming_transport_batch", queries.STAGE_BATCH).begin():
             secret = secret_of_signer(connection, peer_instance, purpose, headers, batch)
             stored = traces.enter_context(tracing.handed_on(batch, "accept", "server",
                                                             {"pg_broker.peer": peer_instance}))
             with connection.connection.cursor() as cursor:
-                cursor.copy_expert(COPY_BATCH, io.BytesIO(stored))
-            answer = connection.execute(ACCEPT_BATCH, {"instance": peer_instance}).scalar_one()
+                cursor.copy_expert(queries.COPY_BATCH, io.BytesIO(stored))
+            answer = connection.execute(queries.ACCEPT_BATCH, {"instance": peer_instance}).scalar_one()
     except (psycopg2.DataError, psycopg2.IntegrityError) as error:  # PostgreSQL's input checks refused it (COPY)
         raise Malformed(str(error).strip().splitlines()[0]) from error
     except (DataError, IntegrityError) as error:  # or the checks of broker.accept_transport_batch
