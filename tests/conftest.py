@@ -1,11 +1,13 @@
 """Test databases: one PostgreSQL per session (embedded unless BROKER_TEST_DATABASE_URL names a
-server's admin database), one template migrated with Alembic, one fresh database per test."""
+server's admin database), one template migrated with Alembic, and either a fresh database per test or, for a
+test that needs nothing committed, a transaction rolled back after it in a database its module shares."""
 import os
 import uuid
 
 import psycopg2
 import pytest
 from sqlalchemy import create_engine
+from sqlalchemy.pool import NullPool
 from sqlalchemy.engine import make_url
 
 from broker import migrate
@@ -76,6 +78,25 @@ def _fresh_database(admin_url: str, template: str = "template1"):
 def database_url(admin_url, template_database):
     """A migrated database of its own."""
     yield from _fresh_database(admin_url, template_database)
+
+
+@pytest.fixture(scope="module")
+def shared_database_url(admin_url, template_database):
+    """A migrated database that a module's tests share, each in a transaction of its own (rolled_back)."""
+    yield from _fresh_database(admin_url, template_database)
+
+
+@pytest.fixture
+def rolled_back(shared_database_url):
+    """A connection to the module's shared database, in a transaction that is rolled back after the test: for a
+    test that needs nothing committed and nothing seen by another session.  What it expects to fail, it runs in
+    a savepoint of its own (connection.begin_nested())."""
+    engine = create_engine(shared_database_url, poolclass=NullPool)
+    with engine.connect() as connection:
+        transaction = connection.begin()
+        yield connection
+        transaction.rollback()
+    engine.dispose()
 
 
 @pytest.fixture

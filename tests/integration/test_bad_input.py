@@ -6,7 +6,8 @@ import pytest
 from sqlalchemy import text
 
 import broker
-from tests.factories import SHOP, WAREHOUSE, WAREHOUSE_QUEUE, begin, broker_table_counts, target_handle
+from tests.factories import (SHOP, WAREHOUSE, WAREHOUSE_QUEUE, begin, broker_table_counts, define_orders,
+                             target_handle)
 
 HOSTILE_NAMES = [
     "q'; DROP SCHEMA broker CASCADE; --",
@@ -21,15 +22,10 @@ HOSTILE_NAMES = [
 
 
 @pytest.fixture
-def conversation(engine, orders):
-    with engine.begin() as c:
-        return begin(c)
-
-
-def _closed(engine, handle):
-    with engine.begin() as c:
-        broker.end_conversation(c, handle)
-    return handle
+def orders_defined(rolled_back):
+    """The orders catalog, in the test's transaction."""
+    define_orders(rolled_back)
+    return rolled_back
 
 
 CASES = {
@@ -121,20 +117,19 @@ NEEDS_CLOSED = {"send on a closed conversation", "end an ended conversation"}
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_gets_its_sqlstate_and_writes_nothing(engine, conversation, case):
+def test_bad_input_gets_its_sqlstate_and_writes_nothing(orders_defined, case):
     call, exception, sqlstate, words = CASES[case]
-    handle = _closed(engine, conversation) if case in NEEDS_CLOSED else conversation
-    with engine.begin() as c:
-        c.execute(text("UPDATE broker.node SET max_message_bytes = 2000"))
-        before = broker_table_counts(c)
-    with engine.connect() as c:
-        with pytest.raises(exception) as raised:
-            call(c, handle)
-        c.rollback()
+    c = orders_defined
+    handle = begin(c)
+    if case in NEEDS_CLOSED:
+        broker.end_conversation(c, handle)
+    c.execute(text("UPDATE broker.node SET max_message_bytes = 2000"))
+    before = broker_table_counts(c)
+    with pytest.raises(exception) as raised, c.begin_nested():
+        call(c, handle)
     assert raised.value.sqlstate == sqlstate
     assert words in raised.value.message
-    with engine.begin() as c:
-        assert broker_table_counts(c) == before
+    assert broker_table_counts(c) == before
 
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
@@ -144,16 +139,12 @@ def test_bad_input_gets_its_sqlstate_and_writes_nothing(engine, conversation, ca
     lambda c, n: broker.create_service(c, n, WAREHOUSE_QUEUE),
     lambda c, n: broker.create_contract(c, n, {"order.note": "any"}),
 ], ids=["queue", "message_type", "service", "contract"])
-def test_hostile_names_are_refused_and_harmless(engine, orders, create, name):
-    with engine.begin() as c:
-        before = broker_table_counts(c)
-    with engine.connect() as c:
-        with pytest.raises(broker.InvalidArgument) as raised:
-            create(c, name)
-        c.rollback()
+def test_hostile_names_are_refused_and_harmless(orders_defined, create, name):
+    before = broker_table_counts(orders_defined)
+    with pytest.raises(broker.InvalidArgument) as raised, orders_defined.begin_nested():
+        create(orders_defined, name)
     assert raised.value.sqlstate == "BR050"
-    with engine.begin() as c:
-        assert broker_table_counts(c) == before
+    assert broker_table_counts(orders_defined) == before
 
 
 def test_names_are_data_never_sql(engine, orders):

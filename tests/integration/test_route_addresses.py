@@ -16,16 +16,15 @@ SECRET = "a-secret-of-16-chars"
     "http://peer.example/#top", "http://peer example", "http://peer.example/\n", "javascript://peer.example",
     "http://-peer.example", "http://peer.example:80:80",
 ])
-def test_an_address_that_is_not_a_plain_http_url_is_refused(engine, address):
-    with engine.begin() as c, pytest.raises(InvalidArgument, match="without credentials"):
-        broker.create_route(c, "far", address, uuid4(), SECRET)
+def test_an_address_that_is_not_a_plain_http_url_is_refused(rolled_back, address):
+    with pytest.raises(InvalidArgument, match="without credentials"):
+        broker.create_route(rolled_back, "far", address, uuid4(), SECRET)
 
 
 @pytest.mark.parametrize("address", [
     "http://127.0.0.1:8080", "https://peer.example", "https://peer.example:8443/broker/", "http://[::1]:8080",
     "http://node-b.internal.example/path_with~tilde",
 ])
-def test_a_plain_http_url_is_taken(engine, address):
-    with engine.begin() as c:
-        broker.create_route(c, "far", address, uuid4(), SECRET)
-        assert c.execute(text("SELECT address FROM broker.routes")).scalar_one() == address.rstrip("/")
+def test_a_plain_http_url_is_taken(rolled_back, address):
+    broker.create_route(rolled_back, "far", address, uuid4(), SECRET)
+    assert rolled_back.execute(text("SELECT address FROM broker.routes")).scalar_one() == address.rstrip("/")
