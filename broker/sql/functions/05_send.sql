@@ -1,5 +1,23 @@
 -- Sending: one message, a batch, and the numbered sends of the REST API that
 -- store each (conversation, number) once.
+--
+-- broker.send is the one implementation of a send with every check and error;
+-- the others are built on it: send_numbered numbers a send, send_batch sends
+-- the common case set-based and everything else through broker.send, and
+-- send_numbered_batch numbers sends and makes them through send_batch.  The
+-- common case is one rule, stated once for send's one-statement path and
+-- send_batch's set-based one: a side that may send now
+-- (broker._may_send) sending a plain type its contract lets it send
+-- (broker._plain_message_types).
+
+-- Whether a conversation side may send now: it is conversing and within its
+-- lifetime.  One SQL expression, inlined where it is used, so that a query
+-- that uses it is planned as if it were written out.
+CREATE OR REPLACE FUNCTION broker._may_send(state text, expires_at timestamptz) RETURNS boolean
+LANGUAGE sql VOLATILE AS $$
+    SELECT state = 'conversing' AND (expires_at IS NULL OR expires_at > clock_timestamp())
+$$;
+GRANT EXECUTE ON FUNCTION broker._may_send(text,timestamp with time zone) TO broker_relay;
 
 -- A conversation with a remote far side (the common case) is locked, numbered
 -- and checked by one UPDATE and its message goes straight to the transmission
@@ -29,15 +47,13 @@ BEGIN
     -- side, within its lifetime, sending a type without validation that its
     -- contract allows it to, at once (behind what the conversation holds).
     UPDATE broker.endpoints e SET send_sequence = e.send_sequence + 1
-    FROM broker.message_types t, broker.contract_message_types cmt
+    FROM broker._plain_message_types p
     WHERE due IS NULL
-      AND e.conversation_handle = send.conversation_handle AND e.state = 'conversing' AND NOT e.far_is_local
-      AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp())
-      AND t.name = message_type AND t.validation = 'none' AND t.name NOT LIKE 'broker.%'
-      AND cmt.contract_id = e.contract_id AND cmt.message_type_id = t.message_type_id
-      AND cmt.sent_by IN ('any', CASE WHEN e.is_initiator THEN 'initiator' ELSE 'target' END)
+      AND e.conversation_handle = send.conversation_handle AND NOT e.far_is_local
+      AND broker._may_send(e.state, e.expires_at)
+      AND p.name = message_type AND p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator
       AND coalesce(octet_length(body), 0) <= (SELECT max_message_bytes FROM broker.node)
-    RETURNING e.conversation_handle, e.send_sequence, e.conversation_id, e.far_service, t.message_type_id,
+    RETURNING e.conversation_handle, e.send_sequence, e.conversation_id, e.far_service, p.message_type_id,
               e.held_until, e.priority
     INTO numbered;
     IF FOUND THEN
@@ -53,11 +69,11 @@ BEGIN
 
     sender := broker._lock_endpoint(conversation_handle);
     mt := broker._message_type(message_type);
-    IF sender.state <> 'conversing' THEN
-        PERFORM broker._raise('BR020', format('cannot send on conversation %s: it is %s',
-            conversation_handle, replace(sender.state, '_', ' ')));
-    END IF;
-    IF sender.expires_at <= clock_timestamp() THEN
+    IF NOT broker._may_send(sender.state, sender.expires_at) THEN
+        IF sender.state <> 'conversing' THEN
+            PERFORM broker._raise('BR020', format('cannot send on conversation %s: it is %s',
+                conversation_handle, replace(sender.state, '_', ' ')));
+        END IF;
         PERFORM broker._raise('BR020', format('cannot send on conversation %s: its lifetime expired at %s',
             conversation_handle, sender.expires_at), 'end the conversation');
     END IF;
@@ -149,16 +165,16 @@ BEGIN
     FROM broker.endpoints e
     JOIN broker._plain_message_types p
       ON p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator AND p.message_type_id = mt.message_type_id
-    WHERE e.conversation_handle = ANY (conversation_handles) AND e.state = 'conversing' AND NOT e.far_is_local
-      AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp());
+    WHERE e.conversation_handle = ANY (conversation_handles) AND NOT e.far_is_local
+      AND broker._may_send(e.state, e.expires_at);
     SELECT plain + count(*) INTO plain
     FROM broker.endpoints e
     JOIN broker.endpoints far ON far.conversation_id = e.conversation_id AND far.is_initiator <> e.is_initiator
     JOIN broker.queues q ON q.queue_id = far.queue_id
     JOIN broker._plain_message_types p
       ON p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator AND p.message_type_id = mt.message_type_id
-    WHERE e.conversation_handle = ANY (conversation_handles) AND e.state = 'conversing' AND e.far_is_local
-      AND (e.expires_at IS NULL OR e.expires_at > clock_timestamp())
+    WHERE e.conversation_handle = ANY (conversation_handles) AND e.far_is_local
+      AND broker._may_send(e.state, e.expires_at)
       AND far.state IN ('conversing', 'disconnected_inbound') AND far.receive_sequence = e.send_sequence
       AND q.is_enabled;
     IF plain < (SELECT count(DISTINCT h) FROM unnest(conversation_handles) h)
