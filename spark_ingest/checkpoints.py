@@ -1,4 +1,4 @@
-"""The SQL an ingest run calls: one function per SQL function of revisions 0004 and 0010."""
+"""The SQL an ingest run calls: one function per SQL function of broker/sql/functions/13_ingest.sql."""
 from sqlalchemy import Connection
 
 from broker import queries

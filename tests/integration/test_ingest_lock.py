@@ -1,4 +1,4 @@
-"""The ingest's lock in SQL (revision 0010): only the session that holds it advances the checkpoint."""
+"""The ingest's lock in SQL: only the session that holds it advances the checkpoint."""
 import pytest
 from sqlalchemy import text
 
