@@ -19,7 +19,7 @@ from api.limits import RequestLimits
 from api.problems import (InternalErrors, Problem, ProblemDetails, database_unavailable, from_broker_error,
                           from_problem, internal_error, problem)
 from api.routes import catalog, console, conversations, health, queues, transport
-from broker import migrate, queries
+from broker import migrate, queries, schema
 from broker.cli.settings import Settings
 from broker.errors import BrokerError
 from broker.metrics import DatabaseCollector
@@ -66,6 +66,7 @@ def create_app(database_url: str, settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.arrivals = Arrivals(database_url)
     app.state.schema_head = migrate.head_revision()
+    app.state.function_checksums = schema.function_checksums()
     app.state.database_metrics = CollectorRegistry()
     app.state.database_metrics.register(DatabaseCollector(app.state.engine))
     with app.state.engine.connect() as connection:

@@ -40,12 +40,22 @@ def create(connection) -> None:
     apply_functions(connection)
 
 
+def function_checksums() -> dict[str, bytes]:
+    """The SHA-256 of each function file of this release, by file name."""
+    return {file.name: hashlib.sha256(file.read_bytes()).digest() for file in function_files()}
+
+
+def applied_function_checksums(connection) -> dict[str, bytes]:
+    """The SHA-256 of each function file as the database last applied it."""
+    return {name: bytes(sha256) for name, sha256 in connection.execute(queries.FUNCTION_FILES_APPLIED)}
+
+
 def apply_functions(connection) -> list[str]:
     """Applies every function file whose text differs from what the database last applied, in the connection's
     transaction; returns their names.  The functions are replaced in place (CREATE OR REPLACE), so sessions that
     call them go on while this runs."""
     connection.execute(queries.LOCK_SCHEMA_CHANGES)
-    applied = {name: bytes(sha256) for name, sha256 in connection.execute(queries.FUNCTION_FILES_APPLIED)}
+    applied = applied_function_checksums(connection)
     changed = []
     for file in function_files():
         script = file.read_text()

@@ -1,4 +1,5 @@
-"""Probes and metrics: /healthz (the process is up), /readyz (database reachable, schema at head),
+"""Probes and metrics: /healthz (the process is up), /readyz (database reachable, schema at head and its
+functions this node's),
 /metrics (Prometheus text; needs an admin key).
 
 /healthz runs on the event loop and touches no database: it answers at once while every thread and
@@ -13,7 +14,7 @@ from sqlalchemy.exc import DBAPIError
 
 from api.deps import AdminKey, Database
 from api.problems import KEYED, error_responses, problem
-from broker import queries
+from broker import queries, schema
 from broker.transport import wire
 
 router = APIRouter(tags=["operations"])
@@ -41,11 +42,17 @@ def readyz(request: Request, db: Database) -> Readiness | Response:
     try:
         with db.connect() as connection:
             version = queries.schema_revision(connection)
+            functions = schema.applied_function_checksums(connection) if version == head else None
     except DBAPIError as error:
         return problem(503, "not-ready", "The database is unreachable", str(error.orig).strip()[:300])
     if version != head:
         return problem(503, "not-ready", "The broker schema is not at head",
                        f"the database is at revision {version}, this node needs {head}: run 'broker migrate'")
+    ours = request.app.state.function_checksums
+    differing = sorted(name for name in ours if ours[name] != functions.get(name))
+    if differing:
+        return problem(503, "not-ready", "The broker schema's functions are not this node's",
+                       f"the database holds other versions of {', '.join(differing)}: run 'broker migrate'")
     return Readiness(status="ready", schema_revision=version)
 
 

@@ -442,6 +442,13 @@ def test_readiness_follows_the_database_and_the_schema(api, engine):
         with engine.begin() as connection:
             connection.execute(text("UPDATE public.broker_alembic_version SET version_num = :head"), {"head": migrate.head_revision()})
         assert anyone.get("/readyz").status_code == 200
+        # A release that changes only functions has no revision of its own: readiness compares the function files.
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE broker.function_files SET sha256 = '\\x00' WHERE file_name = '05_send.sql'"))
+        problem = _is_problem(anyone.get("/readyz"), 503, "not-ready")
+        assert "other versions of 05_send.sql: run 'broker migrate'" in problem["detail"]
+        migrate.upgrade(engine.url.render_as_string(hide_password=False))
+        assert anyone.get("/readyz").status_code == 200
 
 
 def test_the_openapi_document_shows_every_route_with_examples(api):
