@@ -1,9 +1,14 @@
 """What the routes depend on, declared once: the caller's API key (one with the admin scope where a route needs
 it), the node's database and its settings.
 
-The admin scope is checked as the route's dependencies are solved, before its body and query are validated: a key
-without it learns nothing of what the route would take (403 before 422).  A scope named by a path parameter
-(receive:<queue>, send:<service>) is checked in the route, with api.auth.require."""
+AdminKey checks the admin scope as the route's dependencies are solved, which is before FastAPI validates the
+route's path, query and body: so only routes that take nothing else to validate use it, and a route that does
+checks the scope itself after validation (api.auth.require), as it checks a scope named by a path parameter
+(receive:<queue>, send:<service>): a bad argument is answered 422 whatever the key.
+
+The dependencies here do no I/O, so they are coroutines: they take no worker thread.  Transactions are opened in
+the routes, not by a dependency: the cleanup of a dependency with yield runs after the response is sent, so a
+commit there could fail after the client was told it succeeded."""
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -16,7 +21,7 @@ from broker.cli.settings import Settings
 Key = Annotated[ApiKey, Depends(api_key)]
 
 
-def _admin_key(key: Key) -> ApiKey:
+async def _admin_key(key: Key) -> ApiKey:
     require(key, "admin")
     return key
 
@@ -24,11 +29,11 @@ def _admin_key(key: Key) -> ApiKey:
 AdminKey = Annotated[ApiKey, Depends(_admin_key)]
 
 
-def _database(request: Request) -> Engine:
+async def _database(request: Request) -> Engine:
     return request.app.state.engine
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:
     return request.app.state.settings
 
 

@@ -7,7 +7,8 @@ from uuid import UUID
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
-from api.deps import AdminKey, Database
+from api.auth import require
+from api.deps import AdminKey, Database, Key
 from api.problems import KEYED, error_responses
 from api.types import known_query_parameters
 from broker import queries
@@ -100,6 +101,7 @@ def list_broker_priorities(key: AdminKey, db: Database) -> Any:
 
 @router.get("/transmission-queue", response_model=list[WaitingMessage], tags=["queues"],
             summary="Messages waiting for a remote node's acknowledgement", responses=error_responses(422))
-def list_transmission_queue(key: AdminKey, db: Database,
+def list_transmission_queue(key: Key, db: Database,
                             limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62)) -> Any:
+    require(key, "admin")
     return _read(db, queries.transmission_queue, limit=limit, offset=offset)

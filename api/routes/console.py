@@ -16,7 +16,8 @@ from fastapi.responses import HTMLResponse
 from prometheus_client import Counter
 from pydantic import BaseModel
 
-from api.deps import AdminKey, Database, NodeSettings
+from api.auth import require
+from api.deps import AdminKey, Database, Key, NodeSettings
 from api.problems import KEYED, error_responses
 from api.routes.queues import QueueStatus
 from api.types import known_query_parameters
@@ -149,10 +150,12 @@ class Finding(BaseModel):
 @router.get("/v1/diagnose", tags=["catalog"], responses=error_responses(422, *KEYED),
             dependencies=[Depends(known_query_parameters)],
             summary="The findings of `broker diagnose`: this node's configuration, its relay and every peer")
-async def get_diagnose(request: Request, key: AdminKey, db: Database, settings: NodeSettings,
+async def get_diagnose(request: Request, key: Key, db: Database, settings: NodeSettings,
                        max_wait_s: float = Query(300.0, ge=0, le=10**9, description=(
                            "a message waiting longer than this for its destination node is an error"))
                        ) -> list[Finding]:
+    require(key, "admin")
+
     def run() -> list[Finding]:
         with db.connect() as connection, httpx.Client(timeout=10, verify=settings.tls_ca() or True) as client:
             findings = diagnose(connection, client, request.app.state.schema_head, max_wait_s=max_wait_s,

@@ -325,9 +325,10 @@ def get_queue_status(queue: NamePath, key: Key, db: Database) -> QueueStatus:
 
 @router.post("/v1/queues/{queue}/purge", response_model=Purged, summary="Delete every message waiting in a queue",
              responses=error_responses(404, 422))
-def purge_queue(queue: NamePath, key: AdminKey, db: Database) -> Purged:
+def purge_queue(queue: NamePath, key: Key, db: Database) -> Purged:
     """Deletes every message waiting in the queue and ends its locks (needs the admin scope). The
     conversations go on without those messages."""
+    require(key, "admin")
     with db.begin() as connection:
         return Purged(purged=broker.purge_queue(connection, queue))
 
@@ -352,19 +353,21 @@ def _dead_letter_json(letter) -> str:
 
 @router.post("/v1/queues/{queue}/dead-letters/resubmit", response_model=Resubmitted,
              summary="Put a conversation's dead letters back", responses=error_responses(404, 409, *READS_BODY))
-def resubmit_dead_letters(queue: NamePath, resubmit: Resubmit, key: AdminKey, db: Database) -> Resubmitted:
+def resubmit_dead_letters(queue: NamePath, resubmit: Resubmit, key: Key, db: Database) -> Resubmitted:
     """Puts a quarantined conversation's dead letters back into the queue, in order, to be processed again
     (needs the admin scope); only while that side is in error, not yet ended."""
+    require(key, "admin")
     with db.begin() as connection:
         return Resubmitted(resubmitted=broker.resubmit_dead_letters(connection, queue, resubmit.conversation_handle))
 
 
 @router.post("/v1/queues/{queue}/dead-letters/purge", response_model=Purged, summary="Delete a queue's dead letters",
              responses=error_responses(404, *READS_BODY))
-def purge_dead_letters(queue: NamePath, key: AdminKey, db: Database,
+def purge_dead_letters(queue: NamePath, key: Key, db: Database,
                        options: PurgeDeadLetters | None = None) -> Purged:
     """Deletes the queue's dead letters, or those dead-lettered longer ago than older_than_s (needs the admin
     scope)."""
+    require(key, "admin")
     options = options or PurgeDeadLetters()
     older_than = None if options.older_than_s is None else timedelta(seconds=options.older_than_s)
     with db.begin() as connection:
