@@ -3,7 +3,7 @@
 A /v1 request and /metrics need a valid API key; a /transport request needs the headers of a
 peer this node routes to, with a fresh timestamp.  Anything else is answered 401 at once, with
 Connection: close, so that an outsider spends the node no more than its headers.  A peer's batch
-in another wire version than this node's is answered 415 the same way (broker.transport.wire).  The key is
+in a wire version this node does not take is answered 415 the same way (broker.transport.wire).  The key is
 handed on to the route (api.auth); a peer's signature over its body is checked once the body has
 come (api.routes.transport).
 """
@@ -46,11 +46,13 @@ def bad_signature(refusal: signing.BadSignature, headers: dict | None = None):
 
 
 def unsupported_wire_version(content_type: str | None):
-    """415 naming both versions, with this node's as an extension member, so that the sender can log it."""
+    """415 naming what was sent and what this node takes, with its versions as extension members (wire_version,
+    the highest, as the previous releases named it; wire_versions, all), so that the sender can pick another."""
     return problem(415, "unsupported-wire-version", "The batch is in a wire version this node does not take",
-                   f"the batch is sent as {wire.sent_as(content_type)}; this node takes wire version "
-                   f"{wire.WIRE_VERSION} ({wire.BATCH_MEDIA_TYPE}): upgrade one of the two nodes so that both "
-                   "speak the same version", headers=CLOSE, wire_version=wire.WIRE_VERSION)
+                   f"the batch is sent as {wire.sent_as(content_type)}; this node takes "
+                   f"{wire.in_words(wire.WIRE_VERSIONS)} ({wire.BATCH_MEDIA_TYPE}, or an earlier version "
+                   "number): upgrade one of the two nodes so that they share a version", headers=CLOSE,
+                   wire_version=wire.WIRE_VERSION, wire_versions=list(wire.WIRE_VERSIONS))
 
 
 def peer_instance(request: Request) -> str | None:
@@ -103,7 +105,7 @@ class Admission:
             if not await self._is_routed(instance):
                 return unknown_peer(f"this node has no route to broker instance {instance}")
             content_type = request.headers.get("content-type")
-            if path == signing.BATCHES_PATH and not wire.is_ours(content_type):
+            if path == signing.BATCHES_PATH and wire.taken_version(content_type) is None:
                 return unsupported_wire_version(content_type)
         return None
 

@@ -3,6 +3,7 @@ from broker.core import (
     LockedMessage,
     ReceivedMessage,
     abandon_lock,
+    add_peer_secret,
     alter_queue,
     begin_conversation_timer,
     begin_dialog,
@@ -31,11 +32,13 @@ from broker.core import (
     renew_lock,
     resubmit_dead_letters,
     report_processing_failure,
+    retire_peer_secret,
     send,
     send_batch,
     send_numbered,
     send_numbered_batch,
     set_conversation_group_state,
+    switch_peer_secret,
 )
 from broker.errors import (
     AlreadyExists,
@@ -56,12 +59,12 @@ from broker.errors import (
 __all__ = [
     "AlreadyExists", "BrokerError", "CheckpointMoved", "ConversationClosed", "InUse", "InvalidArgument", "LockLost",
     "LockedMessage", "MessageTooLarge", "NotAllowed", "QueueDisabled", "ReceivedMessage", "SequenceConflict",
-    "UnknownObject", "ValidationFailed", "abandon_lock", "alter_queue", "begin_conversation_timer", "begin_dialog",
+    "UnknownObject", "ValidationFailed", "abandon_lock", "add_peer_secret", "alter_queue", "begin_conversation_timer", "begin_dialog",
     "complete_lock", "create_broker_priority", "create_contract", "create_message_type", "create_queue",
     "create_route", "create_service", "dead_letter_conversation", "drop_broker_priority", "drop_contract",
     "drop_message_type", "drop_queue", "drop_route", "drop_service",
     "end_conversation", "get_conversation_group", "get_conversation_group_state", "move_conversation",
     "purge_dead_letters", "purge_queue", "receive", "receive_with_lock", "renew_lock", "report_processing_failure",
-    "resubmit_dead_letters", "send", "send_batch", "send_numbered", "send_numbered_batch",
-    "set_conversation_group_state",
+    "resubmit_dead_letters", "retire_peer_secret", "send", "send_batch", "send_numbered", "send_numbered_batch",
+    "set_conversation_group_state", "switch_peer_secret",
 ]

@@ -137,6 +137,22 @@ def drop_route(executor: Executor, service_name: str) -> None:
     _call(executor, queries.DROP_ROUTE, service=service_name)
 
 
+def add_peer_secret(executor: Executor, broker_instance: UUID, secret: str) -> None:
+    """Rotating the secret shared with a peer node, step 1 (on both nodes): the new secret is taken from it too."""
+    _call(executor, queries.ADD_PEER_SECRET, instance=broker_instance, secret=secret)
+
+
+def switch_peer_secret(executor: Executor, broker_instance: UUID) -> None:
+    """Step 2 (on both nodes, once both hold the new secret): the routes to the peer sign with the new secret."""
+    _call(executor, queries.SWITCH_PEER_SECRET, instance=broker_instance)
+
+
+def retire_peer_secret(executor: Executor, broker_instance: UUID) -> int:
+    """Step 3 (on both nodes, once `broker diagnose` shows the peer signs with the new secret): the old secret
+    is no longer taken.  Returns how many secrets were retired."""
+    return _call(executor, queries.RETIRE_PEER_SECRET, instance=broker_instance).scalar_one()
+
+
 def create_broker_priority(executor: Executor, name: str, priority: int, *, contract: str | None = None,
                            local_service: str | None = None, remote_service: str | None = None) -> None:
     """Service Broker's CREATE BROKER PRIORITY: conversation sides created from now on for this contract, local

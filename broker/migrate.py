@@ -38,6 +38,11 @@ def alembic_config(database_url: str) -> Config:
     return config
 
 
+def is_later(revision: str | None, than: str) -> bool:
+    """Whether a revision comes after another: revisions are numbered, each after the one it revises."""
+    return revision is not None and revision.isdigit() and int(revision) > int(than)
+
+
 def head_revision() -> str:
     """The revision this version of the broker needs."""
     from alembic.script import ScriptDirectory

@@ -24,6 +24,14 @@ def schema_revision(connection: Connection) -> str | None:
     return connection.execute(SCHEMA_REVISION).scalar()
 
 
+# The head revision of the oldest release whose nodes may serve this database (broker/sql/functions/15_compatibility.sql).
+OLDEST_SERVING_REVISION = text("SELECT broker.oldest_serving_revision()")
+
+
+def oldest_serving_revision(connection: Connection) -> str:
+    return connection.execute(OLDEST_SERVING_REVISION).scalar_one()
+
+
 # --- Routes and peers -----------------------------------------------------------------------------
 
 ROUTES = text("SELECT service_name, address, broker_instance, created_at FROM broker.routes ORDER BY service_name")
@@ -34,7 +42,29 @@ DESTINATIONS = text(
     "SELECT address, broker_instance, min(peer_secret) AS peer_secret FROM broker.routes"
     " GROUP BY address, broker_instance ORDER BY address")
 PEER_IS_ROUTED = text("SELECT EXISTS (SELECT FROM broker.routes WHERE broker_instance = :instance)")
-SECRETS_OF_PEER = text("SELECT DISTINCT peer_secret FROM broker.routes WHERE broker_instance = :instance")
+# The routes' secrets first: while no secret is rotated they are the only ones.
+SECRETS_OF_PEER = text(
+    "SELECT peer_secret FROM broker.routes WHERE broker_instance = :instance"
+    " UNION SELECT secret FROM broker.peer_secrets WHERE broker_instance = :instance")
+# Written at most every ten seconds per peer and secret, whatever the rate of batches: the row is not even
+# locked in between, so batches accepted side by side do not wait for each other here.
+NOTE_SECRET_USE = text(
+    "INSERT INTO broker.peer_secret_use AS u (broker_instance, secret_sha256, last_used_at)"
+    " SELECT :instance, :secret_sha256, now()"
+    " WHERE NOT EXISTS (SELECT FROM broker.peer_secret_use WHERE broker_instance = :instance"
+    "                   AND secret_sha256 = :secret_sha256 AND last_used_at > now() - interval '10 seconds')"
+    " ON CONFLICT (broker_instance, secret_sha256) DO UPDATE SET last_used_at = excluded.last_used_at")
+# Each secret this node holds for a peer: the routes' (current), and those being rotated in (next) or out
+# (previous), with when the peer last signed a batch with it.
+PEER_SECRETS = text("""
+    SELECT s.role, s.since, u.last_used_at
+    FROM (SELECT DISTINCT 'current' AS role, peer_secret AS secret, NULL::timestamptz AS since FROM broker.routes
+          WHERE broker_instance = :instance
+          UNION ALL
+          SELECT role, secret, added_at FROM broker.peer_secrets WHERE broker_instance = :instance) s
+    LEFT JOIN broker.peer_secret_use u
+           ON u.broker_instance = :instance AND u.secret_sha256 = sha256(convert_to(s.secret, 'UTF8'))
+    ORDER BY u.last_used_at DESC NULLS LAST""")
 SERVICES_ROUTED_TO = text("SELECT service_name FROM broker.routes WHERE broker_instance = :instance ORDER BY 1")
 
 
@@ -61,6 +91,17 @@ def is_routed_peer(connection: Connection, instance: str) -> bool:
 def secrets_of_peer(connection: Connection, instance: str) -> list[str]:
     """The secrets this node shares with the node of that broker_instance."""
     return list(connection.execute(SECRETS_OF_PEER, {"instance": instance}).scalars())
+
+
+def note_secret_use(connection: Connection, instance: str, secret_sha256: bytes) -> None:
+    """Records that the peer just signed a batch with the secret of that SHA-256."""
+    connection.execute(NOTE_SECRET_USE, {"instance": instance, "secret_sha256": secret_sha256})
+
+
+def peer_secrets(connection: Connection, instance: str) -> list[Row]:
+    """The role of each secret held for the peer (current, next or previous), since when a previous one is
+    on its way out, and when the peer last signed with it; the latest used first."""
+    return connection.execute(PEER_SECRETS, {"instance": instance}).all()
 
 
 def services_routed_to(connection: Connection, instance: str) -> list[str]:
@@ -421,6 +462,9 @@ CREATE_SERVICE = text("SELECT broker.create_service(:name, :queue, CAST(:contrac
 DROP_SERVICE = text("SELECT broker.drop_service(:name)")
 CREATE_ROUTE = text("SELECT broker.create_route(:service, :address, :instance, :secret)")
 DROP_ROUTE = text("SELECT broker.drop_route(:service)")
+ADD_PEER_SECRET = text("SELECT broker.add_peer_secret(:instance, :secret)")
+SWITCH_PEER_SECRET = text("SELECT broker.switch_peer_secret(:instance)")
+RETIRE_PEER_SECRET = text("SELECT broker.retire_peer_secret(:instance)")
 CREATE_BROKER_PRIORITY = text("SELECT broker.create_broker_priority(:name, :priority, :contract, :local, :remote)")
 DROP_BROKER_PRIORITY = text("SELECT broker.drop_broker_priority(:name)")
 BEGIN_DIALOG = text("SELECT broker.begin_dialog(:from_service, :to_service, :contract, :lifetime, :group, :related)")
@@ -471,12 +515,22 @@ END_THE_TRACE = text("SELECT set_config('broker.traceparent', '', true)")
 
 # --- The relay (broker.relay) ---------------------------------------------------------------------
 
-NEXT_BATCH = ("COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s,"
-              " %(first)s, %(last)s)) TO STDOUT (FORMAT binary)")
+# A lane's next batch for a destination, by the wire version it is sent in (broker.transport.wire): version 2
+# has no traceparent.
+NEXT_BATCH = {
+    3: "COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s,"
+       " %(first)s, %(last)s)) TO STDOUT (FORMAT binary)",
+    2: "COPY (SELECT conversation_id, sender_is_initiator, from_service, to_service, contract, expires_at,"
+       " sequence_number, message_type, body"
+       " FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s, %(first)s, %(last)s))"
+       " TO STDOUT (FORMAT binary)"}
 # The batch a lane sent, for one transaction, beside the answer that is applied to it.
 STAGE_SENT_BATCH = text("CREATE TEMPORARY TABLE IF NOT EXISTS sent_transport_batch OF broker.transport_message"
                         " ON COMMIT DELETE ROWS")
-COPY_SENT_BATCH = "COPY pg_temp.sent_transport_batch FROM STDIN (FORMAT binary)"
+COPY_SENT_BATCH = {
+    3: "COPY pg_temp.sent_transport_batch FROM STDIN (FORMAT binary)",
+    2: "COPY pg_temp.sent_transport_batch (conversation_id, sender_is_initiator, from_service, to_service, contract,"
+       " expires_at, sequence_number, message_type, body) FROM STDIN (FORMAT binary)"}
 APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb))")
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, :last, :reason, :retry_after)")
 FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
@@ -491,7 +545,11 @@ STAGE_BATCH = text(
     "CREATE TEMPORARY TABLE IF NOT EXISTS incoming_transport_batch OF broker.transport_message"
     " (conversation_id WITH OPTIONS NOT NULL, sender_is_initiator WITH OPTIONS NOT NULL,"
     "  sequence_number WITH OPTIONS NOT NULL, message_type WITH OPTIONS NOT NULL) ON COMMIT DELETE ROWS")
-COPY_BATCH = "COPY pg_temp.incoming_transport_batch FROM STDIN (FORMAT binary)"
+# A batch of each wire version: version 2 has no traceparent, which stays NULL.
+COPY_BATCH = {
+    3: "COPY pg_temp.incoming_transport_batch FROM STDIN (FORMAT binary)",
+    2: "COPY pg_temp.incoming_transport_batch (conversation_id, sender_is_initiator, from_service, to_service,"
+       " contract, expires_at, sequence_number, message_type, body) FROM STDIN (FORMAT binary)"}
 ACCEPT_BATCH = text("SELECT broker.accept_transport_batch(:instance)::text")
 
 

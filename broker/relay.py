@@ -13,9 +13,11 @@ for another to take over.
 
 A batch travels as PostgreSQL's binary COPY format of broker.transport_message
 rows: the sending database writes it and the receiving one reads it, with no
-per-message work in Python on either side.  It is sent as the media type of this
-node's wire version (broker.transport.wire); a destination of another version refuses it
-(415), and the messages wait, retried with backoff, until one node is upgraded.
+per-message work in Python on either side.  It is sent in the highest wire version
+both nodes take (broker.transport.wire), as the destination's /healthz names them: known
+for a while, and asked again when the destination refuses a batch's version (415).  A
+destination that shares no version with this node refuses every batch, and the messages
+wait, retried with backoff, until one node is upgraded.
 """
 import io
 import logging
@@ -24,6 +26,7 @@ import select
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from datetime import timedelta
 
 import httpx
@@ -35,7 +38,8 @@ from broker import queries, timers, tracing
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILURES, RELAY_SENT
 from broker.sessions import with_temporary_table
 from broker.transport import wire
-from broker.transport.sending import BatchTooLarge, TransportFailure, post_batch
+from broker.transport.sending import (BatchTooLarge, TransportFailure, UnsupportedWireVersion, peer_wire_versions,
+                                      post_batch)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,8 @@ FORGET_EVERY_S = 60.0
 
 # A message that a destination refuses as too large on its own is tried again this often (its limit may be raised).
 OVERSIZED_RETRY_S = 60.0
+# The wire version a destination takes is asked again this often: it may have been upgraded meanwhile.
+WIRE_VERSION_KNOWN_FOR_S = 300.0
 
 
 def smaller_batch_bytes(refused_bytes: int, limit_bytes: int | None) -> int:
@@ -86,6 +92,28 @@ class Relay:
         self.lanes = [Lane(self, lane, lanes, httpx.Client(timeout=timeout_s, verify=tls_ca_file or True))
                       for lane in range(lanes)]
         self.batch_messages, self.batch_bytes = batch_messages, batch_bytes
+        # Per destination address: the wire version to send it, and until when that is known.
+        self.wire_versions: dict[str, tuple[int, float]] = {}
+
+    def wire_version(self, client: httpx.Client, address: str) -> int:
+        """The wire version to send the destination: the highest both take, as its /healthz names them (asked
+        once in a while, not in every cycle), or this node's own when it did not answer."""
+        version, known_until = self.wire_versions.get(address, (wire.WIRE_VERSION, 0.0))
+        if time.monotonic() >= known_until:  # this node's own, when it does not answer: a refusal corrects it
+            version = wire.version_for(peer_wire_versions(client, address)) or wire.WIRE_VERSION
+            self.wire_versions[address] = (version, time.monotonic() + WIRE_VERSION_KNOWN_FOR_S)
+        return version
+
+    def refused_version(self, address: str, refused: int, theirs: tuple[int, ...]) -> bool:
+        """Learns the versions a destination named when it refused a batch of version refused; whether another
+        version shared with it is now to be tried."""
+        version = wire.version_for(theirs)
+        if version is None or version == refused:
+            self.wire_versions.pop(address, None)  # asked again before the next attempt
+            return False
+        self.wire_versions[address] = (version, time.monotonic() + WIRE_VERSION_KNOWN_FOR_S)
+        log.warning("%s takes %s: sending it wire version %d", address, wire.in_words(theirs), version)
+        return True
 
     def run(self, stop: threading.Event) -> None:
         """Relays until stop is set: one thread per lane, and one that wakes them on notifications."""
@@ -231,15 +259,24 @@ class Lane:
         address = destination.address
         while True:
             max_bytes = self.learned_batch_bytes.get(address, self.relay.batch_bytes)
-            batch, messages = self._next_batch(address, max_bytes)
+            version = self.relay.wire_version(self.client, address)
+            batch, messages = self._next_batch(address, max_bytes, version)
             if not messages:
                 return
             started = time.monotonic()
             RELAY_SENT.labels(address).inc(messages)
+            traced = tracing.handed_on(batch, "transmit", "client", {"server.address": address}) if version >= 3 \
+                else nullcontext(batch)  # version 2 carries no traceparents
             try:
-                with tracing.handed_on(batch, "transmit", "client", {"server.address": address}) as batch:
-                    delivered = self._apply_answer(destination, batch,
-                                                   post_batch(self.client, destination, self.instance, batch))
+                with traced as batch:
+                    answer = post_batch(self.client, destination, self.instance, batch, version)
+                    delivered = self._apply_answer(destination, batch, version, answer)
+            except UnsupportedWireVersion as refusal:
+                RELAY_FAILURES.labels(address).inc()
+                if self.relay.refused_version(address, version, refusal.versions):
+                    continue
+                self._record_failure(address, str(refusal))
+                return
             except BatchTooLarge as refusal:
                 RELAY_FAILURES.labels(address).inc()
                 self._refused_as_too_large(address, refusal, batch, messages)
@@ -255,25 +292,25 @@ class Lane:
             if delivered == 0 or (messages < self.relay.batch_messages and len(batch) < max_bytes // 2):
                 return  # all sent, or nothing new taken: wait for the next wake rather than spin
 
-    def _next_batch(self, address: str, max_bytes: int) -> tuple[bytes, int]:
-        """The lane's next batch for the destination, in binary COPY format, and how many messages it holds:
-        at most the relay's count, and max_bytes unless its first message alone is larger."""
+    def _next_batch(self, address: str, max_bytes: int, version: int) -> tuple[bytes, int]:
+        """The lane's next batch for the destination, in binary COPY format of that wire version, and how many
+        messages it holds: at most the relay's count, and max_bytes unless its first message alone is larger."""
         batch = io.BytesIO()
         with self.connection.begin(), self.connection.connection.cursor() as cursor:  # a transaction of its own
-            cursor.copy_expert(cursor.mogrify(queries.NEXT_BATCH, {
+            cursor.copy_expert(cursor.mogrify(queries.NEXT_BATCH[version], {
                 "address": address, "max_messages": self.relay.batch_messages, "max_bytes": max_bytes,
                 "first": self.first_handle, "last": self.last_handle}).decode(), batch)
             messages = cursor.rowcount
         return batch.getvalue(), messages
 
-    def _apply_answer(self, destination, batch: bytes, answer: str) -> int:
+    def _apply_answer(self, destination, batch: bytes, version: int, answer: str) -> int:
         """Applies the destination's answer to the batch it answers, in one transaction; returns how many
         messages it acknowledged.  The batch goes into a temporary table by COPY, so that the answer settles
         only the messages the batch carried (see broker.apply_transport_results)."""
         with_temporary_table(self.connection, "sent_transport_batch", queries.STAGE_SENT_BATCH)
         try:
             with self.connection.begin(), self.connection.connection.cursor() as cursor:
-                cursor.copy_expert(queries.COPY_SENT_BATCH, io.BytesIO(batch))
+                cursor.copy_expert(queries.COPY_SENT_BATCH[version], io.BytesIO(batch))
                 return self.connection.execute(queries.APPLY_ANSWER, {"answer": answer}).scalar_one()
         except DataError as error:  # the results are not what a transport answer holds: nothing was applied
             raise TransportFailure(f"the answer from {destination.address} is malformed: "

@@ -1,5 +1,5 @@
-"""Probes and metrics: /healthz (the process is up), /readyz (database reachable, schema at head and its
-functions this node's),
+"""Probes and metrics: /healthz (the process is up), /readyz (database reachable, and its schema serves this
+node: at this node's head revision with its functions, or at a later revision that still serves this release),
 /metrics (Prometheus text; needs an admin key).
 
 /healthz runs on the event loop and touches no database: it answers at once while every thread and
@@ -14,7 +14,7 @@ from sqlalchemy.exc import DBAPIError
 
 from api.deps import AdminKey, Database
 from api.problems import KEYED, error_responses, problem
-from broker import queries, schema
+from broker import migrate, queries, schema
 from broker.transport import wire
 
 router = APIRouter(tags=["operations"])
@@ -22,29 +22,44 @@ router = APIRouter(tags=["operations"])
 class Health(BaseModel):
     status: str = Field(examples=["ok"])
     broker_instance: UUID = Field(description="this node's identity, as its peers' routes name it")
-    wire_version: int = Field(description="the version of the batches this node sends and takes")
+    wire_version: int = Field(description="the highest version of the batches this node sends and takes")
+    wire_versions: list[int] = Field(description="every version of the batches this node takes and sends: a peer "
+                                                 "sends it the highest of these that the peer speaks too")
 
 
 class Readiness(BaseModel):
     status: str = Field(examples=["ready"])
-    schema_revision: str = Field(description="the broker schema's Alembic revision, the head this node needs")
+    schema_revision: str = Field(description="the broker schema's Alembic revision: the head this node needs, or a "
+                                             "later one that still serves it (a node upgraded one at a time)")
 
 
 @router.get("/healthz", summary="Liveness")
 async def healthz(request: Request) -> Health:
-    return Health(status="ok", broker_instance=request.app.state.broker_instance, wire_version=wire.WIRE_VERSION)
+    return Health(status="ok", broker_instance=request.app.state.broker_instance, wire_version=wire.WIRE_VERSION,
+                  wire_versions=list(wire.WIRE_VERSIONS))
 
 
-@router.get("/readyz", summary="Readiness: the database answers and its schema is at head",
+@router.get("/readyz", summary="Readiness: the database answers and its schema serves this node",
             response_model=Readiness, responses=error_responses(500, 503))
 def readyz(request: Request, db: Database) -> Readiness | Response:
+    """Ready at this node's head revision with its function files as they are, or at a later revision whose
+    functions still serve this node's release (broker.oldest_serving_revision): the database was migrated for the
+    next release, whose revisions only add, and this node goes on until it is upgraded."""
     head = request.app.state.schema_head
     try:
         with db.connect() as connection:
             version = queries.schema_revision(connection)
+            later = migrate.is_later(version, head)
             functions = schema.applied_function_checksums(connection) if version == head else None
+            oldest_served = queries.oldest_serving_revision(connection) if later else None
     except DBAPIError as error:
         return problem(503, "not-ready", "The database is unreachable", str(error.orig).strip()[:300])
+    if later:
+        if migrate.is_later(oldest_served, head):
+            return problem(503, "not-ready", "The database no longer serves this release",
+                           f"the database is at revision {version}, which serves releases from revision "
+                           f"{oldest_served} on; this node's release needs {head}: upgrade this node")
+        return Readiness(status="ready", schema_revision=version)
     if version != head:
         return problem(503, "not-ready", "The broker schema is not at head",
                        f"the database is at revision {version}, this node needs {head}: run 'broker migrate'")

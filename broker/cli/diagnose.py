@@ -2,7 +2,7 @@
 
 In the spirit of Service Broker's ssbdiagnose: the schema, the queues, a route for every
 remote service in use, and for every peer: that it answers, is the instance the route names,
-speaks our wire version, accepts our signature and signs its answer, keeps a clock close to
+shares a wire version with us, accepts our signature and signs its answer, keeps a clock close to
 ours, offers the service with an enabled queue, defines the contracts as we do, and has a route
 back to us.
 """
@@ -18,11 +18,12 @@ from sqlalchemy import Connection
 from broker import queries, relay
 from broker.cli.status import lost_messages_explained
 from broker.transport import describe, signing, wire
+from broker.transport.sending import wire_versions_named
 
 # A destination that has refused this many attempts in a row keeps refusing: an error, not a passing failure.
 REFUSING_ATTEMPTS = 3
-WIRE_ADVICE = ("upgrade one of the two nodes so that both speak the same wire version (each names its own as "
-               "wire_version in /healthz)")
+WIRE_ADVICE = ("upgrade one of the two nodes so that they share a wire version (each names those it takes as "
+               "wire_versions in /healthz)")
 CLOCK_ADVICE = "keep the clocks in sync (NTP), or raise BROKER_MAX_CLOCK_SKEW_S on both nodes"
 RELAY_ADVICE = ("start this node ('broker serve'), or 'broker relay' beside a node that runs with --no-relay")
 # What a database that went back to an earlier point lost (broker.lost_messages): the level and what to do, by outcome.
@@ -158,12 +159,16 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
     if their_instance != route_instance:
         return [Finding("error", check, f"is instance {their_instance}, the routes to it say {route_instance}",
                         f"recreate the routes of {', '.join(services)} with broker_instance {their_instance}")]
-    their_version = _member(health, "wire_version")
-    if their_version != wire.WIRE_VERSION:
-        speaks = (f"speaks wire version {str(their_version)[:40]}" if their_version is not None else
+    theirs = wire_versions_named(health)
+    version = wire.version_for(theirs)
+    if version is None:
+        speaks = (f"speaks {wire.in_words(theirs)}" if theirs else
                   "names no wire version in /healthz (it is older than wire version 2)")
-        return [Finding("error", check, f"{speaks}, this node wire version {wire.WIRE_VERSION}: each refuses the "
-                        "other's batches", WIRE_ADVICE)]
+        return [Finding("error", check, f"{speaks}, this node {wire.in_words(wire.WIRE_VERSIONS)}: each refuses "
+                        "the other's batches", WIRE_ADVICE)]
+    findings = [] if version == wire.WIRE_VERSION else [Finding(
+        "warning", check, f"takes {wire.in_words(theirs)}: batches go to it as wire version {version}, without "
+        "what later versions carry (traceparents)", "upgrade that node to this release")]
 
     answer = describe.ask(client, address, our_instance, route_instance, secret, services, sorted(our_contracts))
     if answer.status_code == 401:
@@ -181,8 +186,8 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
     except signing.BadSignature as refusal:
         return [Finding("error", check, f"its answer is not signed with our shared secret: {refusal}",
                         "use the same secret in the routes on both nodes")]
-    findings = [_clock_finding(check, their_instance, abs(time.time() - int(answer.headers[signing.TIMESTAMP_HEADER])),
-                               max_skew_s)]
+    findings.append(_clock_finding(check, their_instance,
+                                   abs(time.time() - int(answer.headers[signing.TIMESTAMP_HEADER])), max_skew_s))
     try:
         described = describe.Description.model_validate_json(answer.content)
     except ValidationError as error:
@@ -219,6 +224,37 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
     return findings
 
 
+SECRET_ROLES = {"current": "the routes' secret", "next": "the new secret, not yet switched to",
+                "previous": "the old secret, switched from"}
+
+
+def _when(at) -> str:
+    return at.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def _secret_findings(address: str, instance: str, secrets: list) -> list[Finding]:
+    """Which secret the peer signs its batches with (rows of broker.queries.peer_secrets, the latest used first),
+    and how far a rotation of it has got: a warning while the peer still signs with the old secret."""
+    check = f"secret of {address}"
+    latest = secrets[0] if secrets and secrets[0].last_used_at is not None else None
+    findings = [_ok(check, f"signs its batches with {SECRET_ROLES[latest.role]} (last at {_when(latest.last_used_at)})"
+                if latest else "has sent no batch here lately: which secret it signs with is not known yet")]
+    for secret in secrets:
+        if secret.role == "next":
+            findings.append(Finding("warning", check, f"a new secret is added and not yet switched to (since "
+                                    f"{_when(secret.since)})", "once that node holds it too: SELECT "
+                                    f"broker.switch_peer_secret('{instance}'), on both nodes"))
+        elif secret.role == "previous" and secret.last_used_at is not None and secret.last_used_at >= secret.since:
+            findings.append(Finding("warning", check, f"still signs with the old secret (last at "
+                                    f"{_when(secret.last_used_at)}), which this node takes until it is retired",
+                                    "on that node: broker.switch_peer_secret; retire the old secret here only once "
+                                    "this warning is gone"))
+        elif secret.role == "previous":
+            findings.append(_ok(check, f"has not signed with the old secret since the switch ({_when(secret.since)})"
+                                "; retire it: SELECT broker.retire_peer_secret('" + instance + "')"))
+    return findings
+
+
 def diagnose(connection: Connection, client: httpx.Client, schema_head: str, *, max_wait_s: float,
              max_clock_skew_s: float) -> list[Finding]:
     """Every finding about this node and its peers; max_wait_s is how long a message may wait for a destination
@@ -232,4 +268,5 @@ def diagnose(connection: Connection, client: httpx.Client, schema_head: str, *, 
         services = [route.service_name for route in group]
         findings += _peer_findings(client, address, str(instance), secret, services, our_instance, our_contracts,
                                    contracts_in_use, max_clock_skew_s)
+        findings += _secret_findings(address, str(instance), queries.peer_secrets(connection, str(instance)))
     return findings

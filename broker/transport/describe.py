@@ -6,9 +6,10 @@ contracts, and which of its own services it routes back to the peer.
 """
 import json
 from collections.abc import Mapping
+from typing import Annotated
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import Engine
 
 from broker import queries
@@ -16,9 +17,13 @@ from broker.transport import signing, wire
 from broker.transport.receiving import Malformed, secret_of_signer
 
 
+# A name as PostgreSQL's text holds it: without a NUL character.
+Name = Annotated[str, Field(pattern=r"^[^\x00]*$")]
+
+
 class DescribeRequest(BaseModel):
-    services: list[str]
-    contracts: list[str]
+    services: list[Name]
+    contracts: list[Name]
 
 
 class OfferedService(BaseModel):

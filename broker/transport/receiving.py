@@ -1,9 +1,11 @@
 """The receiving side of a batch: its signature checked, its rows stored and committed in one
 transaction, and the answer acknowledging only what is durable.
 
-The body is PostgreSQL's binary COPY format of broker.transport_message rows: it goes straight into a
-temporary table by COPY, and PostgreSQL's own input checks refuse anything malformed.
+The body is PostgreSQL's binary COPY format of broker.transport_message rows, in the wire version its
+Content-Type names (broker.transport.wire): it goes straight into a temporary table by COPY, and PostgreSQL's
+own input checks refuse anything malformed.  A version 2 batch has no traceparents: they stay NULL.
 """
+import hashlib
 import io
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -32,16 +34,19 @@ def secret_of_signer(connection: Connection, peer_instance: str, purpose: str, h
 def accept_batch(engine: Engine, our_instance: str, peer_instance: str, headers: Mapping[str, str],
                  batch: bytes) -> tuple[str, bytes]:
     """Checks the signature, stores the batch and commits, in one transaction; returns the secret it was signed
-    under and the answer (JSON) to sign with it.  Raises signing.BadSignature or Malformed, with nothing stored."""
-    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.BATCH_MEDIA_TYPE, our_instance)
+    under and the answer (JSON) to sign with it.  Raises signing.BadSignature or Malformed, with nothing stored.
+    The batch is in a version this node takes (api.admission refused any other)."""
+    version = wire.taken_version(headers.get("content-type"))
+    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.media_type(version), our_instance)
     try:  # the traces' spans end after the commit (ExitStack), and only for a signed batch
         with engine.connect() as connection, ExitStack() as traces, \
                 with_temporary_table(connection, "incoming_transport_batch", queries.STAGE_BATCH).begin():
             secret = secret_of_signer(connection, peer_instance, purpose, headers, batch)
-            stored = traces.enter_context(tracing.handed_on(batch, "accept", "server",
-                                                            {"pg_broker.peer": peer_instance}))
+            queries.note_secret_use(connection, peer_instance, hashlib.sha256(secret.encode()).digest())
+            stored = batch if version < 3 else traces.enter_context(
+                tracing.handed_on(batch, "accept", "server", {"pg_broker.peer": peer_instance}))
             with connection.connection.cursor() as cursor:
-                cursor.copy_expert(queries.COPY_BATCH, io.BytesIO(stored))
+                cursor.copy_expert(queries.COPY_BATCH[version], io.BytesIO(stored))
             answer = connection.execute(queries.ACCEPT_BATCH, {"instance": peer_instance}).scalar_one()
     except (psycopg2.DataError, psycopg2.IntegrityError) as error:  # PostgreSQL's input checks refused it (COPY)
         raise Malformed(str(error).strip().splitlines()[0]) from error

@@ -1,12 +1,25 @@
-"""The sending side of a batch: one signed POST to the destination, and its answer accepted only when
-the destination signed it as the answer to this very request and is the instance the route names."""
+"""The sending side of a batch: one signed POST to the destination, in a wire version it takes, and its answer
+accepted only when the destination signed it as the answer to this very request and is the instance the route
+names."""
 import httpx
 
 from broker.transport import signing, wire
 
 
+# A node's /healthz answers at once, however busy the node: a destination that does not is taken as down.
+PROBE_TIMEOUT_S = 5.0
+
+
 class TransportFailure(Exception):
     """A destination did not take a batch; the message says why, in words for transmission_status."""
+
+
+class UnsupportedWireVersion(TransportFailure):
+    """The destination refused the batch's wire version; versions are those it named (none when it named none)."""
+
+    def __init__(self, reason: str, versions: tuple[int, ...]):
+        super().__init__(reason)
+        self.versions = versions
 
 
 class BatchTooLarge(TransportFailure):
@@ -17,36 +30,60 @@ class BatchTooLarge(TransportFailure):
         self.limit_bytes = limit_bytes
 
 
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _problem_member(response: httpx.Response, name: str) -> int | None:
-    """A positive integer member of a problem answer (limit_bytes of a 413, wire_version of a 415), if it names
-    a sane one."""
+    """A positive integer member of a problem answer (limit_bytes of a 413), if it names a sane one."""
     try:
         value = response.json().get(name)
     except (ValueError, AttributeError):
         return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return value if _positive(value) else None
 
 
-def post_batch(client: httpx.Client, destination, our_instance: str, batch: bytes) -> str:
-    """Sends a batch to the destination (a row of broker.queries.destinations); returns its answer, as JSON
-    text, once it is signed by the destination as the answer to this request.  Raises TransportFailure."""
+def wire_versions_named(response: httpx.Response) -> tuple[int, ...]:
+    """The wire versions a node's /healthz or 415 names: its wire_versions, or else its wire_version alone (a
+    node of a release that took one version only), or none."""
+    try:
+        named = response.json()
+        versions = named.get("wire_versions", [named.get("wire_version")])
+    except (ValueError, AttributeError):
+        return ()
+    return tuple(sorted({v for v in versions if _positive(v)})) if isinstance(versions, list) else ()
+
+
+def peer_wire_versions(client: httpx.Client, address: str) -> tuple[int, ...]:
+    """The wire versions the node at address takes, as its /healthz names them; none when it does not answer."""
+    try:
+        health = client.get(f"{address}/healthz", timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError:
+        return ()
+    return wire_versions_named(health) if health.status_code == 200 else ()
+
+
+def post_batch(client: httpx.Client, destination, our_instance: str, batch: bytes, version: int) -> str:
+    """Sends a batch in that wire version to the destination (a row of broker.queries.destinations); returns
+    its answer, as JSON text, once it is signed by the destination as the answer to this request.  Raises
+    TransportFailure."""
     address = destination.address
-    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.BATCH_MEDIA_TYPE,
-                                      str(destination.broker_instance))
+    media_type = wire.media_type(version)
+    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, media_type, str(destination.broker_instance))
     signed = signing.signed_headers(destination.peer_secret, our_instance, purpose, batch)
     try:
         response = client.post(f"{address}{signing.BATCHES_PATH}", content=batch,
-                               headers={"Content-Type": wire.BATCH_MEDIA_TYPE, **signed})
+                               headers={"Content-Type": media_type, **signed})
     except httpx.HTTPError as error:
         raise TransportFailure(f"cannot reach {address}: {type(error).__name__}: {error}") from error
     if response.status_code == 413:
         raise BatchTooLarge(f"{address} answered HTTP 413: a batch of {len(batch)} bytes is over its limit",
                             _problem_member(response, "limit_bytes"))
     if response.status_code == 415:
-        theirs = _problem_member(response, "wire_version")
-        takes = f"wire version {theirs}" if theirs else "a wire version it does not name"
-        raise TransportFailure(f"{address} speaks another wire version (HTTP 415): it takes {takes}, "
-                               f"this node sends wire version {wire.WIRE_VERSION}")
+        theirs = wire_versions_named(response)
+        takes = wire.in_words(theirs) if theirs else "a wire version it does not name"
+        raise UnsupportedWireVersion(f"{address} speaks another wire version (HTTP 415): it takes {takes}, "
+                                     f"this node sends {wire.in_words(wire.WIRE_VERSIONS)}", theirs)
     if response.status_code != 200:
         detail = response.text[:300] if "json" in response.headers.get("content-type", "") else ""
         raise TransportFailure(f"{address} answered HTTP {response.status_code} {detail}".strip())

@@ -1,20 +1,30 @@
 """The wire version: the format of a batch between nodes, named by its media type.
 
-Version 1 was JSON (sent as application/json); version 2 was PostgreSQL's binary COPY format of
-broker.transport_message rows, sent as BATCH_MEDIA_TYPE; version 3 adds each message's traceparent to
-the row (broker.tracing).  A node takes batches of its own wire
-version only and refuses any other from the request's headers (415, naming both versions), so two
-nodes of different versions never read each other's batches as something they are not.  A request
-is signed for its media type as well (broker.transport.signing), so a batch cannot be passed off as another
-format.  /healthz names the version, for `broker diagnose` on a peer.
+Version 1 was JSON (sent as application/json); version 2 is PostgreSQL's binary COPY format of
+broker.transport_message rows without their last field; version 3 adds that field, each message's traceparent
+(broker.tracing).  A node takes and sends its own wire version and the one before it (WIRE_VERSIONS), so that
+a release talks to the previous one both ways: to each peer it sends the highest version both take, which the
+peer's /healthz names (broker.relay), and a version 2 batch goes without its traceparents.  A batch of any
+other version is refused from the request's headers (415, naming the versions this node takes), so two nodes
+never read each other's batches as something they are not.  A request is signed for its media type as well
+(broker.transport.signing), so a batch cannot be passed off as another format.  See docs/protocol.md.
 """
 import uuid
+from collections.abc import Iterable
 
 WIRE_VERSION = 3
+WIRE_VERSIONS = (2, 3)
 BATCH_TYPE = "application/vnd.pg-broker.batch"
-BATCH_MEDIA_TYPE = f"{BATCH_TYPE}; version={WIRE_VERSION}"
 # What a describe request and every answer are: JSON.
 JSON_MEDIA_TYPE = "application/json"
+
+
+def media_type(version: int) -> str:
+    """How a batch of that version is named, in its Content-Type and in what its request is signed for."""
+    return f"{BATCH_TYPE}; version={version}"
+
+
+BATCH_MEDIA_TYPE = media_type(WIRE_VERSION)
 
 
 def version_of(content_type: str | None) -> str | None:
@@ -33,8 +43,16 @@ def version_of(content_type: str | None) -> str | None:
     return None
 
 
-def is_ours(content_type: str | None) -> bool:
-    return version_of(content_type) == str(WIRE_VERSION)
+def taken_version(content_type: str | None) -> int | None:
+    """The version of a batch sent as content_type, when this node takes it; else None."""
+    version = version_of(content_type)
+    return int(version) if version in {str(taken) for taken in WIRE_VERSIONS} else None
+
+
+def version_for(theirs: Iterable[int]) -> int | None:
+    """The version to send a peer that takes the versions theirs: the highest both take, or None."""
+    shared = set(WIRE_VERSIONS) & set(theirs)
+    return max(shared) if shared else None
 
 
 def sent_as(content_type: str | None) -> str:
@@ -46,7 +64,16 @@ def sent_as(content_type: str | None) -> str:
     return f"{content_type[:100]!r} ({named})"
 
 
+def in_words(versions: Iterable[int]) -> str:
+    """Versions as a refusal names them: "wire versions 2 and 3"."""
+    versions = sorted(versions)
+    if len(versions) == 1:
+        return f"wire version {versions[0]}"
+    return f"wire versions {', '.join(map(str, versions[:-1]))} and {versions[-1]}"
+
+
 def first_conversation(batch: bytes) -> tuple[uuid.UUID, bool]:
-    """The conversation id and sender_is_initiator of a batch's first row.  Binary COPY: a 19-byte header,
-    then per row a 2-byte field count and each field as a 4-byte length and its bytes (a uuid has 16)."""
+    """The conversation id and sender_is_initiator of a batch's first row (in every version).  Binary COPY: a
+    19-byte header, then per row a 2-byte field count and each field as a 4-byte length and its bytes (a uuid
+    has 16)."""
     return uuid.UUID(bytes=batch[25:41]), batch[45] == 1

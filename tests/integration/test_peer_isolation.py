@@ -12,7 +12,7 @@ import broker
 from broker.transport import signing, wire
 from tests.conftest import _fresh_database
 from tests.nodes import SECRET, Node, define_node, wait_for
-from tests.peers import ScriptedPeer
+from tests.peers import ScriptedPeer, json_answer
 from tests.integration.test_transport import _encode
 
 ROGUE_SECRET = "the-rogue-peers-own-secret"
@@ -250,6 +250,8 @@ def test_an_answer_counts_only_for_the_request_it_answers(nodes):
     first_answer = []
 
     def replay(request):
+        if request.method == "GET":  # the relay asks which wire versions b takes
+            return json_answer(200, httpx.get(f"{b.address}/healthz", timeout=5).json())
         if first_answer:
             return first_answer[0]
         forwarded = httpx.post(f"{b.address}{signing.BATCHES_PATH}", content=request.body, timeout=30,
@@ -329,3 +331,11 @@ def test_a_request_signed_for_one_endpoint_is_refused_at_another(nodes):
     response = httpx.post(f"{b.address}{signing.BATCHES_PATH}", content=body, headers=headers, timeout=30)
     assert response.status_code == 401 and response.json()["type"] == "/problems/bad-signature"
     assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
+
+
+def test_a_signed_describe_request_with_a_name_postgresql_cannot_hold_is_malformed_not_a_failure(nodes):
+    a, b = nodes
+    asked = json.dumps({"services": ["ware\u0000house"], "contracts": []}).encode()
+    headers = _signed_request(SECRET, a.instance, b.instance, signing.DESCRIBE_PATH, asked)
+    response = httpx.post(f"{b.address}{signing.DESCRIBE_PATH}", content=asked, headers=headers, timeout=30)
+    assert response.status_code == 400 and response.json()["type"] == "/problems/malformed-request"

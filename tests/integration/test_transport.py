@@ -150,15 +150,16 @@ def _batch(conversation_id, numbers, *, to_service="warehouse", message_type="or
             for n in numbers]
 
 
-def _encode(node, rows, row_type="broker.transport_message") -> bytes:
-    """Rows in the transport's wire format, written by PostgreSQL's COPY as a relay's database writes them."""
+def _encode(node, rows, row_type="broker.transport_message", columns="") -> bytes:
+    """Rows in the transport's wire format, written by PostgreSQL's COPY as a relay's database writes them: their
+    columns given as "(a, b)", or all."""
     connection = node.engine.raw_connection()
     try:
         with connection.cursor() as cursor:
             cursor.execute(f"CREATE TEMPORARY TABLE batch OF {row_type}")
             psycopg2.extras.execute_values(cursor, "INSERT INTO batch VALUES %s", rows)
             encoded = io.BytesIO()
-            cursor.copy_expert("COPY batch TO STDOUT (FORMAT binary)", encoded)
+            cursor.copy_expert(f"COPY batch {columns} TO STDOUT (FORMAT binary)", encoded)
         connection.rollback()
     finally:
         connection.close()

@@ -1,5 +1,6 @@
-"""The wire has a version: a node takes batches of its own wire version only, refuses any other from the
-request's headers, and a relay facing a node of another version keeps its messages and says why."""
+"""The wire has a version: a node takes batches of its own wire version and the one before it, refuses any other
+from the request's headers, sends each peer the highest version both take (learning it again from a refusal), and
+a relay facing a node that shares no version keeps its messages and says why."""
 import json
 import time
 import uuid
@@ -16,6 +17,7 @@ from tests.integration.test_diagnose import _diagnose
 from tests.integration.test_transport import _batch, _encode, _post, _stored
 
 OTHER_VERSION = 4
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def other_version_node(instance) -> ScriptedPeer:
@@ -38,7 +40,8 @@ def other_version_node(instance) -> ScriptedPeer:
     ("application/json", "(wire version 1)"),
     (wire.BATCH_TYPE, "(no wire version)"),
     (f"{wire.BATCH_TYPE}; version={OTHER_VERSION}", f"(wire version {OTHER_VERSION})"),
-], ids=["none", "JSON", "unversioned", "version 4"])
+    (f"{wire.BATCH_TYPE}; version=1", "(wire version 1)"),
+], ids=["none", "JSON", "unversioned", "version 4", "version 1"])
 def test_a_batch_in_another_wire_version_is_refused_before_its_body_is_read(nodes, content_type, sent):
     a, b = nodes
     peer = {signing.INSTANCE_HEADER: str(a.instance), signing.TIMESTAMP_HEADER: str(int(time.time())),
@@ -49,13 +52,15 @@ def test_a_batch_in_another_wire_version_is_refused_before_its_body_is_read(node
     assert status == 415 and "connection: close" in answer and "content-type: application/problem+json" in answer
     problem = json.loads(answer[answer.rindex("\n{") + 1:])
     assert problem["type"] == "/problems/unsupported-wire-version" and problem["wire_version"] == wire.WIRE_VERSION
-    assert sent in problem["detail"] and f"this node takes wire version {wire.WIRE_VERSION}" in problem["detail"]
+    assert problem["wire_versions"] == [2, 3]
+    assert sent in problem["detail"] and "this node takes wire versions 2 and 3" in problem["detail"]
     assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
 
 
 def test_the_media_type_is_matched_as_media_types_are_and_is_signed(nodes):
     a, b = nodes
-    assert httpx.get(f"{b.address}/healthz", timeout=5).json()["wire_version"] == wire.WIRE_VERSION
+    health = httpx.get(f"{b.address}/healthz", timeout=5).json()
+    assert health["wire_version"] == wire.WIRE_VERSION and health["wire_versions"] == [2, 3]
     conversation = uuid.uuid4()
     spelled = f'Application/Vnd.PG-Broker.Batch ; Version="{wire.WIRE_VERSION}"'
     first = _post(b, a, _encode(b, _batch(conversation, [1])), headers={"Content-Type": spelled})
@@ -85,17 +90,18 @@ def test_a_relay_facing_another_wire_version_keeps_its_messages_and_diagnose_say
                 broker.send(c, handle, "order.note", str(line))
         wait_for(lambda: a.scalar("SELECT min(attempts) FROM broker.transmission_queue_status") >= 2, 30,
                  "the relay to try again after its backoff")
-        assert far.requests[0].headers["Content-Type"] == wire.BATCH_MEDIA_TYPE
+        assert [r.method for r in far.requests[:2]] == ["GET", "POST"]  # its /healthz, then a batch
+        assert far.requests[1].headers["Content-Type"] == wire.BATCH_MEDIA_TYPE
         assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 3
         status = a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status")
         assert f"{far.address} speaks another wire version (HTTP 415)" in status
-        assert f"it takes wire version {OTHER_VERSION}, this node sends wire version {wire.WIRE_VERSION}" in status
+        assert f"it takes wire version {OTHER_VERSION}, this node sends wire versions 2 and 3" in status
 
         code, findings = _diagnose(a)
         assert code == 1
         errors = {f["check"]: f for f in findings if f["level"] == "error"}
         node = errors[f"node {far.address}"]
-        assert f"speaks wire version {OTHER_VERSION}, this node wire version {wire.WIRE_VERSION}" in node["finding"]
+        assert f"speaks wire version {OTHER_VERSION}, this node wire versions 2 and 3" in node["finding"]
         assert "upgrade one of the two nodes" in node["advice"]
         transmission = errors[f"transmission to {far.address}"]
         assert "another wire version" in transmission["finding"]
@@ -107,3 +113,58 @@ def test_a_relay_facing_another_wire_version_keeps_its_messages_and_diagnose_say
         broker.drop_route(c, "warehouse")
         broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
     assert [m.body for m in b.receive_all("warehouse_queue", 3, timeout_s=60)] == [b"1", b"2", b"3"]
+
+
+def test_a_batch_of_the_previous_wire_version_is_taken_without_traceparents(nodes):
+    a, b = nodes
+    conversation = uuid.uuid4()
+    version_2 = f"{wire.BATCH_TYPE}; version=2"
+    body = _encode(b, _batch(conversation, [1, 2]))
+    assert _post(b, a, body, headers={"Content-Type": version_2}).status_code == 401  # signed as version 3
+    rows = "(conversation_id, sender_is_initiator, from_service, to_service, contract, expires_at, sequence_number," \
+           " message_type, body)"
+    body = _encode(b, _batch(conversation, [1, 2]), columns=rows)
+    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, version_2, str(b.instance))
+    answer = httpx.post(f"{b.address}{signing.BATCHES_PATH}", content=body, timeout=30, headers={
+        "Content-Type": version_2, **signing.signed_headers(SECRET, str(a.instance), purpose, body)})
+    assert answer.status_code == 200, answer.text
+    assert [tuple(row) for row in _stored(b)] == [(1, "1"), (2, "2")]
+    assert b.scalar("SELECT count(traceparent) FROM broker.queue_messages") == 0
+
+
+def older_node_in_front_of(node) -> ScriptedPeer:
+    """A node that takes wire version 2 only, though its /healthz names version 3 (it was downgraded since, say):
+    a batch of version 3 is refused with a 415 naming version 2, and one of version 2 goes to the real node."""
+    def answer(request):
+        if request.method == "GET":
+            return json_answer(200, {"status": "ok", "broker_instance": str(node.instance), "wire_version": 3})
+        if wire.taken_version(request.headers["Content-Type"]) != 2:
+            return json_answer(415, {"type": "/problems/unsupported-wire-version", "status": 415,
+                                     "title": "The batch is in a wire version this node does not take",
+                                     "detail": "this node takes wire version 2", "wire_version": 2,
+                                     "wire_versions": [2]}, media_type="application/problem+json")
+        forwarded = httpx.post(f"{node.address}{request.path}", content=request.body, timeout=30,
+                               headers={name: request.headers[name] for name in (
+                                   "Content-Type", signing.INSTANCE_HEADER, signing.TIMESTAMP_HEADER,
+                                   signing.SIGNATURE_HEADER)})
+        return forwarded.status_code, {name: forwarded.headers[name] for name in forwarded.headers if
+                                       name.lower() in ("content-type", "x-broker-instance", "x-broker-timestamp",
+                                                        "x-broker-signature")}, forwarded.content
+
+    return ScriptedPeer(answer)
+
+
+def test_a_relay_refused_for_its_wire_version_sends_the_version_the_refusal_names(nodes):
+    a, b = nodes
+    with older_node_in_front_of(b) as older:
+        with a.engine.begin() as c:
+            broker.drop_route(c, "warehouse")
+            broker.create_route(c, "warehouse", older.address, b.instance, SECRET)
+            handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
+            for line in (1, 2, 3):
+                broker.send(c, handle, "order.note", str(line), traceparent=TRACEPARENT)
+        received = b.receive_all("warehouse_queue", 3, timeout_s=30)
+        assert [(m.body, m.traceparent) for m in received] == [(b"1", None), (b"2", None), (b"3", None)]
+        versions = [wire.version_of(r.headers["Content-Type"]) for r in older.requests if r.method == "POST"]
+        assert versions[:2] == ["3", "2"] and set(versions[1:]) == {"2"}  # refused once, then version 2 at once
+        wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the acknowledgements")

@@ -54,13 +54,25 @@ def test_a_request_stamped_too_far_from_this_clock_is_refused_to_a_tenth_of_a_se
         signing.check_fresh(str(int(time.time()) - 1000), "abc", 300)
 
 
-@pytest.mark.parametrize("content_type, version", [
-    ("application/vnd.pg-broker.batch; version=3", "3"), ("Application/VND.pg-broker.batch;VERSION=\"2\"", "2"),
-    ("application/json", "1"), ("application/json; charset=utf-8", "1"), ("application/vnd.pg-broker.batch", None),
-    ("text/plain; version=3", None), (None, None), ("", None)])
-def test_a_batch_names_its_wire_version_in_its_content_type(content_type, version):
+@pytest.mark.parametrize("content_type, version, taken", [
+    ("application/vnd.pg-broker.batch; version=3", "3", 3), ("Application/VND.pg-broker.batch;VERSION=\"2\"", "2", 2),
+    ("application/vnd.pg-broker.batch; version=4", "4", None), ("application/vnd.pg-broker.batch; version=03", "03", None),
+    ("application/json", "1", None), ("application/json; charset=utf-8", "1", None),
+    ("application/vnd.pg-broker.batch", None, None), ("text/plain; version=3", None, None), (None, None, None),
+    ("", None, None)])
+def test_a_batch_names_its_wire_version_in_its_content_type(content_type, version, taken):
     assert wire.version_of(content_type) == version
-    assert wire.is_ours(content_type) == (version == str(wire.WIRE_VERSION))
+    assert wire.taken_version(content_type) == taken
+
+
+@pytest.mark.parametrize("theirs, sent", [((2, 3), 3), ((3,), 3), ((2,), 2), ((3, 4), 3), ((2, 3, 4), 3),
+                                          ((1,), None), ((4,), None), ((), None)])
+def test_a_peer_is_sent_the_highest_wire_version_both_take(theirs, sent):
+    assert wire.version_for(theirs) == sent
+
+
+def test_a_node_takes_its_own_wire_version_and_the_one_before_it():
+    assert wire.WIRE_VERSIONS == (wire.WIRE_VERSION - 1, wire.WIRE_VERSION)
 
 
 def test_a_refusal_says_what_a_batch_was_sent_as():

@@ -73,13 +73,3 @@ def test_a_stale_or_unsigned_request_is_refused_before_its_body(timestamp, why):
         timestamp = str(int(time.time()) + timestamp)
     with pytest.raises(signing.BadSignature, match=why):
         signing.check_fresh(timestamp, "signature", 60)
-
-
-@pytest.mark.parametrize("content_type, version", [
-    (wire.BATCH_MEDIA_TYPE, "3"), ("application/vnd.pg-broker.batch; version=\"4\"", "4"),
-    ("Application/Vnd.Pg-Broker.Batch;Version=2", "2"), ("application/json", "1"),
-    ("application/json; charset=utf-8", "1"), ("application/vnd.pg-broker.batch", None),
-    ("text/plain", None), (None, None), ("", None)])
-def test_the_wire_version_is_read_from_the_media_type(content_type, version):
-    assert wire.version_of(content_type) == version
-    assert wire.is_ours(content_type) == (version == str(wire.WIRE_VERSION))

@@ -100,3 +100,29 @@ CREATE TABLE broker.routes (
 );
 CREATE INDEX routes_address ON broker.routes (address);
 CREATE INDEX routes_broker_instance ON broker.routes (broker_instance);
+
+-- A peer's secret while it is rotated (docs/operations.md, "Rotating a peer's
+-- secret"): a 'next' secret is taken from the peer but not yet signed with;
+-- broker.switch_peer_secret makes the routes sign with it and keeps the one
+-- they signed with before as 'previous', still taken from the peer until
+-- broker.retire_peer_secret.  A request is taken under any secret of the
+-- routes to its sender or of these.
+CREATE TABLE broker.peer_secrets (
+    broker_instance  uuid NOT NULL,
+    secret           text NOT NULL,
+    role             text NOT NULL CHECK (role IN ('next', 'previous')),
+    added_at         timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (broker_instance, secret)
+);
+CREATE UNIQUE INDEX peer_secrets_next ON broker.peer_secrets (broker_instance) WHERE role = 'next';
+
+-- Which secret each peer signs its batches with, by the secret's SHA-256,
+-- and when it last did (to ten seconds): `broker diagnose` says which one
+-- each peer uses, and warns while one still signs with a secret on its way
+-- out.
+CREATE TABLE broker.peer_secret_use (
+    broker_instance  uuid NOT NULL,
+    secret_sha256    bytea NOT NULL,
+    last_used_at     timestamptz NOT NULL,
+    PRIMARY KEY (broker_instance, secret_sha256)
+);

@@ -45,7 +45,7 @@ GRANT SELECT ON broker.queue_status, broker.conversation_endpoints, broker.trans
 -- The transport functions run as their caller, because they read the
 -- caller's temporary batch tables; so the role holds the table privileges
 -- they use.
-GRANT SELECT ON broker.node, broker.routes, broker.message_types, broker.contracts, broker.contract_message_types,
+GRANT SELECT ON broker.node, broker.routes, broker.peer_secrets, broker.message_types, broker.contracts, broker.contract_message_types,
                 broker.queues, broker.services, broker.service_contracts, broker.leases, broker.broker_priorities
     TO broker_relay;
 -- A tracing node reports each new dead letter in its message's trace
@@ -55,7 +55,8 @@ GRANT SELECT (dead_letter_id, queue_name, conversation_handle, message_sequence_
 GRANT SELECT, INSERT, UPDATE, DELETE ON broker.endpoints, broker.conversation_groups, broker.queue_messages,
                                         broker.transmission_queue, broker.transmission_failures,
                                         broker.forgotten_conversations, broker.transmission_progress,
-                                        broker.acknowledged_messages, broker.lost_messages, broker.peer_retention
+                                        broker.acknowledged_messages, broker.lost_messages, broker.peer_retention,
+                                        broker.peer_secret_use
     TO broker_relay;
 
 ------------------------------------------------------------------------------
