@@ -3,7 +3,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 from sqlalchemy import create_engine, text
@@ -41,21 +40,21 @@ class Node:
         self.log = log_dir / f"{name}.log"
         self.process = None
         self.env: dict[str, str] = {}  # settings for the process, e.g. {"BROKER_MAX_BATCH_BYTES": "1048576"}
-        self.release: Path | None = None  # a checkout of an earlier release to run (tests/releases.py), or this one
+        self.release = None  # an earlier release to run (tests.releases.Release), or None for this one
         with self.engine.connect() as c:
             self.instance = c.execute(text("SELECT broker_instance FROM broker.node")).scalar_one()
 
     def start(self):
         env = {**os.environ, **self.env, "BROKER_DATABASE_URL": self.database_url}
-        if self.release:
-            env["PYTHONPATH"] = str(self.release)
-        command = [sys.executable, "-m", "broker.cli", "serve", "--port", str(self.port), "--no-migrate"]
+        python = self.release.python if self.release else sys.executable
+        command = [str(python), "-m", "broker.cli", "serve", "--port", str(self.port), "--no-migrate"]
         if self.tls:
             command += ["--tls-cert", str(self.tls["cert"]), "--tls-key", str(self.tls["key"])]
             if self.tls["ca"]:
                 env["BROKER_TLS_CA_FILE"] = str(self.tls["ca"])
         with open(self.log, "a") as log:
-            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.release)
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            cwd=self.release.home if self.release else None)
         wait_for(self._healthy, 30, f"node {self.name} to answer /healthz")
 
     def _healthy(self):

@@ -1,15 +1,29 @@
-"""Earlier releases from the git history, to run beside this one: every release talks to the previous release in
-both directions."""
+"""Earlier releases from the git history, each installed with pip into an environment of its own, to run beside
+this one: every release talks to the previous release in both directions."""
 import io
 import os
 import subprocess
 import sys
+import sysconfig
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-# The last release before this one (revision 0028, before the baseline): the release this one must talk to.
-PREVIOUS_RELEASE = "b38c60a"
+# The last release before this one (revision 0029): the release this one must talk to, both ways, and whose
+# databases this release's migrations take over while it serves.
+PREVIOUS_RELEASE = "12f30ce"
+PREVIOUS_REVISION = "0029"
+# The last release that spoke wire version 2 only (revision 0026), the version before this release's own.
+LAST_RELEASE_OF_WIRE_VERSION_2 = "4410560"
+
+
+@dataclass(frozen=True)
+class Release:
+    """An earlier release, installed: its interpreter, and a directory to run it from (not this checkout, whose
+    packages `python -m` would find first)."""
+    python: Path
+    home: Path
 
 
 def checkout(commit: str, directory: Path) -> Path:
@@ -22,7 +36,23 @@ def checkout(commit: str, directory: Path) -> Path:
     return directory
 
 
-def migrate(release: Path, database_url: str) -> None:
-    """The release's own `broker migrate` on an empty database: its schema, at its head revision."""
-    subprocess.run([sys.executable, "-m", "broker.cli", "migrate"], cwd=release, check=True, capture_output=True,
-                   timeout=120, env={**os.environ, "PYTHONPATH": str(release), "BROKER_DATABASE_URL": database_url})
+def install(commit: str, directory: Path) -> Release:
+    """The release of commit, installed with pip (not editable) into a virtual environment of its own in
+    directory.  Its dependencies are this environment's, named by a .pth file rather than downloaded again: the
+    releases pin the same versions."""
+    source = checkout(commit, directory / "source")
+    environment = directory / "environment"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True, timeout=120)
+    python = environment / "bin" / "python"
+    site_packages = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site_packages) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--target", site_packages, str(source)], check=True, capture_output=True, timeout=300)
+    return Release(python, environment)
+
+
+def run(release: Release, *arguments: str, database_url: str) -> None:
+    """The release's own `broker` command, e.g. migrate on an empty database: its schema, at its head revision."""
+    subprocess.run([str(release.python), "-m", "broker.cli", *arguments], cwd=release.home, check=True,
+                   capture_output=True, timeout=120, env={**os.environ, "BROKER_DATABASE_URL": database_url})

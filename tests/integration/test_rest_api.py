@@ -442,11 +442,31 @@ def test_readiness_follows_the_database_and_the_schema(api, engine):
         with engine.begin() as connection:
             connection.execute(text("UPDATE public.broker_alembic_version SET version_num = :head"), {"head": migrate.head_revision()})
         assert anyone.get("/readyz").status_code == 200
-        # A release that changes only functions has no revision of its own: readiness compares the function files.
+        # At the head, readiness compares the function files too: a database whose functions are not this node's.
         with engine.begin() as connection:
             connection.execute(text("UPDATE broker.function_files SET sha256 = '\\x00' WHERE file_name = '05_send.sql'"))
         problem = _is_problem(anyone.get("/readyz"), 503, "not-ready")
         assert "other versions of 05_send.sql: run 'broker migrate'" in problem["detail"]
+        migrate.upgrade(engine.url.render_as_string(hide_password=False))
+        assert anyone.get("/readyz").status_code == 200
+
+        # Migrated ahead by the next release, whose revisions only add: ready, until a revision removes what this
+        # release needs (broker.oldest_serving_revision).
+        later = f"{int(migrate.head_revision()) + 1:04d}"
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = :later"), {"later": later})
+        assert anyone.get("/readyz").json() == {"status": "ready", "schema_revision": later}
+        with engine.begin() as connection:
+            connection.execute(text(f"CREATE OR REPLACE FUNCTION broker.oldest_serving_revision() RETURNS text"
+                                    f" LANGUAGE sql IMMUTABLE AS $$ SELECT '{later}' $$"))
+            connection.execute(text("UPDATE broker.function_files SET sha256 = '\\x00'"
+                                    " WHERE file_name = '15_compatibility.sql'"))
+        problem = _is_problem(anyone.get("/readyz"), 503, "not-ready")
+        assert problem["detail"] == (f"the database is at revision {later}, which serves releases from revision "
+                                     f"{later} on; this node's release needs {migrate.head_revision()}: upgrade this node")
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE public.broker_alembic_version SET version_num = :head"),
+                               {"head": migrate.head_revision()})
         migrate.upgrade(engine.url.render_as_string(hide_password=False))
         assert anyone.get("/readyz").status_code == 200
 
