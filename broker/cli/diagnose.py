@@ -233,25 +233,28 @@ def _when(at) -> str:
 
 
 def _secret_findings(address: str, instance: str, secrets: list) -> list[Finding]:
-    """Which secret the peer signs its batches with (rows of broker.queries.peer_secrets, the latest used first),
-    and how far a rotation of it has got: a warning while the peer still signs with the old secret."""
+    """Which secret the peer signs its batches with: the one it signed with last (rows of
+    broker.queries.peer_secrets, the latest used first), and how far a rotation of it has got."""
     check = f"secret of {address}"
     latest = secrets[0] if secrets and secrets[0].last_used_at is not None else None
-    findings = [_ok(check, f"signs its batches with {SECRET_ROLES[latest.role]} (last at {_when(latest.last_used_at)})"
-                if latest else "has sent no batch here lately: which secret it signs with is not known yet")]
+    if latest is None:
+        findings = [_ok(check, "has sent no batch here yet: which secret it signs with is not known")]
+    elif latest.role == "previous":
+        findings = [Finding("warning", check, f"still signs its batches with the old secret (last at "
+                            f"{_when(latest.last_used_at)}), which this node takes until it retires it",
+                            "on that node: broker.switch_peer_secret; retire the old secret here only once this "
+                            "warning is gone")]
+    else:
+        findings = [_ok(check, f"signs its batches with {SECRET_ROLES[latest.role]} (last at "
+                               f"{_when(latest.last_used_at)})")]
     for secret in secrets:
         if secret.role == "next":
             findings.append(Finding("warning", check, f"a new secret is added and not yet switched to (since "
                                     f"{_when(secret.since)})", "once that node holds it too: SELECT "
                                     f"broker.switch_peer_secret('{instance}'), on both nodes"))
-        elif secret.role == "previous" and secret.last_used_at is not None and secret.last_used_at >= secret.since:
-            findings.append(Finding("warning", check, f"still signs with the old secret (last at "
-                                    f"{_when(secret.last_used_at)}), which this node takes until it is retired",
-                                    "on that node: broker.switch_peer_secret; retire the old secret here only once "
-                                    "this warning is gone"))
-        elif secret.role == "previous":
-            findings.append(_ok(check, f"has not signed with the old secret since the switch ({_when(secret.since)})"
-                                "; retire it: SELECT broker.retire_peer_secret('" + instance + "')"))
+        elif secret.role == "previous" and secret is not latest:
+            findings.append(_ok(check, f"the old secret, switched from at {_when(secret.since)}, is no longer used "
+                                f"by that node: retire it with SELECT broker.retire_peer_secret('{instance}')"))
     return findings
 
 

@@ -3,28 +3,24 @@ nodes: conversations begun on either side cross both ways, each message once and
 while traffic flows both ways (its database migrated while the previous release serves it, then its process
 replaced), losing, repeating and reordering nothing; and a node of the release before this wire version talks to
 this one both ways."""
-import threading
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from sqlalchemy import text
 
-import broker
 from broker import migrate as this_release
 from broker import schema
 from tests.conftest import _fresh_database
 from tests.migrations import catalog
-from tests.nodes import Node, serve_pair, stop_all, wait_for
+from tests.nodes import Node, serve_pair, stop_all
+from tests.traffic import QUEUES, Traffic
 from tests.releases import (LAST_RELEASE_OF_WIRE_VERSION_2, PREVIOUS_RELEASE, PREVIOUS_REVISION, checkout, install,
                             run)
 
 pytestmark = pytest.mark.slow
 REVISION = "SELECT version_num FROM public.broker_alembic_version"
-QUEUES = {"shop": "shop_queue", "warehouse": "warehouse_queue"}
-CONVERSATION_ID = text("SELECT conversation_id FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
 
 
 @pytest.fixture(scope="module")
@@ -104,78 +100,6 @@ def test_a_node_of_the_previous_release_converses_with_this_one_both_ways(mixed_
     converse(b, a, "warehouse", "shop", "from b")
 
 
-class Traffic:
-    """Messages sent without pause from one node's service to the other's, on a few conversations, each with its
-    send time, and received as they come: what each conversation got, in order, and how long each message
-    waited between its send and its receive."""
-
-    def __init__(self, sender, receiver, from_service, to_service, conversations=4):
-        self.sender, self.receiver = sender, receiver
-        self.from_service, self.to_service = from_service, to_service
-        with sender.engine.begin() as c:
-            self.handles = [broker.begin_dialog(c, from_service, to_service, "orders") for _ in range(conversations)]
-        self.sent: dict = defaultdict(list)  # conversation id: bodies in the order sent
-        self.received: dict = defaultdict(list)  # conversation id: (sequence number, body) in the order received
-        self.waited: list[tuple[float, float]] = []  # (sent at, seconds waited)
-        self.stop = threading.Event()
-        self.failures: list[str] = []
-        self.threads = [threading.Thread(target=self._send, daemon=True),
-                        threading.Thread(target=self._receive, daemon=True)]
-        for thread in self.threads:
-            thread.start()
-
-    def _send(self):
-        number = 0
-        with self.sender.engine.connect() as c:
-            ids = {handle: c.execute(CONVERSATION_ID, {"handle": handle}).scalar_one() for handle in self.handles}
-        while not self.stop.is_set():
-            handle = self.handles[number % len(self.handles)]
-            body = f"{number} {time.time():.6f}"
-            try:
-                with self.sender.engine.begin() as c:
-                    broker.send(c, handle, "order.note", body.encode())
-                self.sent[ids[handle]].append(body)
-                number += 1
-            except Exception as error:  # a send the database did not take: not sent, and said so
-                self.failures.append(f"send: {error}")
-                time.sleep(0.2)
-            time.sleep(0.01)
-
-    def _receive(self):
-        while not self.stop.is_set() or self.missing():
-            try:
-                with self.receiver.engine.begin() as c:
-                    messages = broker.receive(c, QUEUES[self.to_service], 100, wait_ms=200)
-            except Exception as error:  # rolled back: the messages come again
-                self.failures.append(f"receive: {error}")
-                time.sleep(0.2)
-                continue
-            now = time.time()
-            for message in messages:
-                body = message.body.decode()
-                self.received[message.conversation_id].append((message.message_sequence_number, body))
-                sent_at = float(body.split()[1])
-                self.waited.append((sent_at, now - sent_at))
-            if self.stop.is_set() and not messages:
-                time.sleep(0.1)
-
-    def missing(self) -> int:
-        return sum(len(bodies) for bodies in self.sent.values()) - sum(len(got) for got in self.received.values())
-
-    def finish(self, timeout_s=90):
-        self.stop.set()
-        self.threads[0].join()
-        wait_for(lambda: self.missing() <= 0, timeout_s, f"{self.to_service} to receive everything sent")
-        self.threads[1].join()
-
-    def check(self):
-        """Every message once, in order, with the body sent: none lost, none repeated, none reordered."""
-        for conversation, bodies in self.sent.items():
-            got = self.received[conversation]
-            assert [number for number, _ in got] == list(range(1, len(bodies) + 1)), conversation
-            assert [body for _, body in got] == bodies, conversation
-
-
 def _ready(node) -> httpx.Response:
     return httpx.get(f"{node.address}/readyz", timeout=10)
 
@@ -211,13 +135,12 @@ def test_one_node_upgraded_while_traffic_flows_both_ways_loses_repeats_and_reord
         assert not traffic.failures, traffic.failures[:3]  # the applications' databases never stopped
     with capsys.disabled():  # how long messages waited: before the migration, after it, and once b was replaced
         for name, traffic in (("a -> b", to_b), ("b -> a", to_a)):
-            def longest(first, last):
-                return max((waited for sent_at, waited in traffic.waited if first <= sent_at < last), default=0.0)
             print(f"\n{name}: {len(traffic.waited)} messages, none lost, repeated or reordered; the longest wait "
-                  f"{longest(0, migrated_at):.2f} s before the migration, {longest(migrated_at, upgraded_at):.2f} s "
-                  f"while the previous release served the migrated database, {longest(upgraded_at, time.time()):.2f} s "
-                  "from the replacement of b's process on")
-    assert max(waited for _, waited in to_b.waited + to_a.waited) < 30
+                  f"{traffic.longest_wait_s(0, migrated_at):.2f} s before the migration, "
+                  f"{traffic.longest_wait_s(migrated_at, upgraded_at):.2f} s while the previous release served the "
+                  f"migrated database, {traffic.longest_wait_s(upgraded_at):.2f} s from the replacement of b's "
+                  "process on")
+    assert max(to_b.longest_wait_s(), to_a.longest_wait_s()) < 30
 
 
 @pytest.mark.parametrize("mixed_pair", ["a"], indirect=True)

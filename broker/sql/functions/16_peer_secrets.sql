@@ -53,7 +53,7 @@ BEGIN
     INSERT INTO broker.peer_secrets (broker_instance, secret, role)
     SELECT DISTINCT r.broker_instance, r.peer_secret, 'previous' FROM broker.routes r
     WHERE r.broker_instance = switch_peer_secret.broker_instance
-    ON CONFLICT (broker_instance, secret) DO UPDATE SET role = 'previous', added_at = now();
+    ON CONFLICT ON CONSTRAINT peer_secrets_pkey DO UPDATE SET role = 'previous', added_at = now();
     UPDATE broker.routes r SET peer_secret = new_secret WHERE r.broker_instance = switch_peer_secret.broker_instance;
 END $$;
 COMMENT ON FUNCTION broker.switch_peer_secret(uuid) IS

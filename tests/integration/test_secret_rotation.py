@@ -1,0 +1,116 @@
+"""The secret two nodes share, rotated while messages flow both ways, as docs/operations.md says: the new secret
+added on both nodes, then switched to on each, then the old one retired on each; no batch is refused at any step,
+no message waits, and `broker diagnose` says at each step which secret the peer signs with."""
+import re
+import time
+
+import httpx
+import pytest
+
+import broker
+from tests.integration.test_diagnose import _diagnose
+from tests.nodes import wait_for
+from tests.rest import new_key
+from tests.traffic import Traffic
+
+NEW_SECRET = "the-secret-a-and-b-share-from-now-on"
+
+
+def _findings(node, check: str) -> list[dict]:
+    code, findings = _diagnose(node)
+    return [finding for finding in findings if finding["check"] == check]
+
+
+def _refused_batches(node) -> float:
+    """How many batches the node's relay has had refused or not answered, from its /metrics."""
+    metrics = httpx.get(f"{node.address}/metrics", timeout=10,
+                        headers={"Authorization": f"Bearer {new_key(node.engine, 'admin')}"}).text
+    return sum(float(value) for value in re.findall(r"^broker_relay_failures_total\{.*\} (\S+)$", metrics, re.M))
+
+
+def _on_both(a, b, step):
+    for node, peer in ((a, b), (b, a)):
+        with node.engine.begin() as c:
+            step(c, peer.instance)
+        time.sleep(1.5)  # batches go both ways between the steps
+
+
+def test_a_secret_rotated_while_messages_flow_both_ways_refuses_and_stalls_nothing(nodes):
+    a, b = nodes
+    to_b, to_a = Traffic(a, b, "shop", "warehouse"), Traffic(b, a, "warehouse", "shop")
+    try:
+        time.sleep(1)
+        check = f"secret of {b.address}"
+        before = _findings(a, check)
+        assert [f["level"] for f in before] == ["ok"]
+        assert before[0]["finding"].startswith("signs its batches with the routes' secret (last at ")
+
+        _on_both(a, b, lambda c, peer: broker.add_peer_secret(c, peer, NEW_SECRET))
+        added = _findings(a, check)
+        assert added[0]["finding"].startswith("signs its batches with the routes' secret")
+        assert added[1]["level"] == "warning" and added[1]["finding"].startswith("a new secret is added")
+        assert f"broker.switch_peer_secret('{b.instance}')" in added[1]["advice"]
+
+        with a.engine.begin() as c:
+            broker.switch_peer_secret(c, b.instance)
+        # a signs with the new secret, which b takes; b still signs with the old one, which a takes
+        wait_for(lambda: _findings(b, f"secret of {a.address}")[0]["finding"].startswith(
+            "signs its batches with the new secret, not yet switched to"), 30, "b to see a sign with the new secret")
+        old_in_use = wait_for(lambda: [f for f in _findings(a, check) if f["level"] == "warning"], 30,
+                              "a to warn that b still signs with the old secret")
+        assert old_in_use[0]["finding"].startswith("still signs its batches with the old secret")
+
+        with b.engine.begin() as c:
+            broker.switch_peer_secret(c, a.instance)
+        switched = wait_for(lambda: (lambda findings: findings if findings[0]["level"] == "ok" else None)(
+            _findings(a, check)), 30, "a to see b sign with the new secret")
+        assert switched[0]["finding"].startswith("signs its batches with the routes' secret")
+        assert switched[1]["finding"].startswith("the old secret, switched from at")
+        assert f"broker.retire_peer_secret('{b.instance}')" in switched[1]["finding"]
+
+        retired = []
+        _on_both(a, b, lambda c, peer: retired.append(broker.retire_peer_secret(c, peer)))
+        assert retired == [1, 1]
+        assert [f["level"] for f in _findings(a, check)] == ["ok"]
+        with a.engine.begin() as c:
+            assert broker.retire_peer_secret(c, b.instance) == 0  # nothing more to retire
+        time.sleep(1)
+    finally:
+        for traffic in (to_b, to_a):
+            traffic.finish()
+    for traffic in (to_b, to_a):
+        traffic.check()
+        assert not traffic.failures, traffic.failures[:3]
+        assert traffic.longest_wait_s() < 2, "a message stalled"
+    assert _refused_batches(a) == _refused_batches(b) == 0
+
+
+def test_a_rotation_step_out_of_turn_is_refused_with_what_to_do(nodes):
+    a, b = nodes
+    with a.engine.begin() as c, pytest.raises(broker.InvalidArgument, match="no new secret is added"):
+        broker.switch_peer_secret(c, b.instance)
+    with a.engine.begin() as c, pytest.raises(broker.InvalidArgument, match="at least 16 characters"):
+        broker.add_peer_secret(c, b.instance, "short")
+    with a.engine.begin() as c, pytest.raises(broker.AlreadyExists, match="already"):
+        broker.add_peer_secret(c, b.instance, "shared-secret-between-a-and-b")
+    with a.engine.begin() as c, pytest.raises(broker.UnknownObject, match="no route goes to broker instance"):
+        broker.add_peer_secret(c, a.instance, NEW_SECRET)
+
+
+def test_a_peer_that_signs_with_a_retired_secret_is_refused(nodes):
+    """Retiring before the peer switched is the one mistake the steps guard against: the peer's batches are
+    refused (and kept, retried) until it switches."""
+    a, b = nodes
+    _on_both(a, b, lambda c, peer: broker.add_peer_secret(c, peer, NEW_SECRET))
+    with a.engine.begin() as c:
+        broker.switch_peer_secret(c, b.instance)
+        assert broker.retire_peer_secret(c, b.instance) == 1
+    with b.engine.begin() as c:
+        handle = broker.begin_dialog(c, "warehouse", "shop", "orders")
+        broker.send(c, handle, "order.note", "signed with the retired secret")
+    status = wait_for(lambda: b.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status"
+                                       " WHERE attempts > 0"), 30, "the refusal")
+    assert "HTTP 401" in status
+    with b.engine.begin() as c:
+        broker.switch_peer_secret(c, a.instance)
+    assert [m.body for m in a.receive_all("shop_queue", 1, timeout_s=60)] == [b"signed with the retired secret"]
