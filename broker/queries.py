@@ -38,9 +38,12 @@ ROUTES = text("SELECT service_name, address, broker_instance, created_at FROM br
 ROUTES_WITH_SECRETS = text(
     "SELECT service_name, address, broker_instance, peer_secret FROM broker.routes"
     " ORDER BY address, broker_instance, peer_secret, service_name")
+# Each destination with the secret its routes sign with, and those being rotated in or out (other_secrets).
 DESTINATIONS = text(
-    "SELECT address, broker_instance, min(peer_secret) AS peer_secret FROM broker.routes"
-    " GROUP BY address, broker_instance ORDER BY address")
+    "SELECT r.address, r.broker_instance, min(r.peer_secret) AS peer_secret,"
+    "       ARRAY(SELECT p.secret FROM broker.peer_secrets p WHERE p.broker_instance = r.broker_instance"
+    "             ORDER BY p.role, p.added_at DESC) AS other_secrets"
+    " FROM broker.routes r GROUP BY r.address, r.broker_instance ORDER BY r.address")
 PEER_IS_ROUTED = text("SELECT EXISTS (SELECT FROM broker.routes WHERE broker_instance = :instance)")
 # The routes' secrets first: while no secret is rotated they are the only ones.
 SECRETS_OF_PEER = text(
@@ -79,7 +82,8 @@ def routes_with_secrets(connection: Connection) -> list[Row]:
 
 
 def destinations(connection: Connection) -> list[Row]:
-    """One row per destination node the relay sends to: its address, broker_instance and a secret."""
+    """One row per destination node the relay sends to: its address, broker_instance, the secret its routes sign
+    with, and the other secrets held for it while one is rotated."""
     return connection.execute(DESTINATIONS).all()
 
 

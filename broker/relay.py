@@ -38,8 +38,8 @@ from broker import queries, timers, tracing
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILURES, RELAY_SENT
 from broker.sessions import with_temporary_table
 from broker.transport import wire
-from broker.transport.sending import (BatchTooLarge, TransportFailure, UnsupportedWireVersion, peer_wire_versions,
-                                      post_batch)
+from broker.transport.sending import (BatchTooLarge, SignatureRefused, TransportFailure, UnsupportedWireVersion,
+                                      peer_wire_versions, post_batch)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ FORGET_EVERY_S = 60.0
 OVERSIZED_RETRY_S = 60.0
 # The wire version a destination takes is asked again this often: it may have been upgraded meanwhile.
 WIRE_VERSION_KNOWN_FOR_S = 300.0
+# A destination that refused the routes' secret and took another is signed for under that one this long, before
+# the routes' is tried again (it may hold it by then).
+FALLBACK_SECRET_FOR_S = 60.0
 
 
 def smaller_batch_bytes(refused_bytes: int, limit_bytes: int | None) -> int:
@@ -94,6 +97,23 @@ class Relay:
         self.batch_messages, self.batch_bytes = batch_messages, batch_bytes
         # Per destination address: the wire version to send it, and until when that is known.
         self.wire_versions: dict[str, tuple[int, float]] = {}
+        # Per destination address: another secret than the routes' that it took a batch under, and until when to
+        # sign with that one first.
+        self.fallback_secrets: dict[str, tuple[str, float]] = {}
+
+    def secrets_to_sign_with(self, destination) -> list[str]:
+        """The secrets held for a destination in the order to try them: the routes' first, unless the destination
+        refused it lately and took another; then those being rotated in or out."""
+        held = [destination.peer_secret, *destination.other_secrets]
+        fallback, until = self.fallback_secrets.get(destination.address, (None, 0.0))
+        first = fallback if fallback in held and time.monotonic() < until else destination.peer_secret
+        return [first] + [secret for secret in held if secret != first]
+
+    def took_secret(self, destination, secret: str) -> None:
+        if secret == destination.peer_secret:
+            self.fallback_secrets.pop(destination.address, None)
+        else:
+            self.fallback_secrets[destination.address] = (secret, time.monotonic() + FALLBACK_SECRET_FOR_S)
 
     def wire_version(self, client: httpx.Client, address: str) -> int:
         """The wire version to send the destination: the highest both take, as its /healthz names them (asked
@@ -269,7 +289,7 @@ class Lane:
                 else nullcontext(batch)  # version 2 carries no traceparents
             try:
                 with traced as batch:
-                    answer = post_batch(self.client, destination, self.instance, batch, version)
+                    answer = self._post(destination, batch, version)
                     delivered = self._apply_answer(destination, batch, version, answer)
             except UnsupportedWireVersion as refusal:
                 RELAY_FAILURES.labels(address).inc()
@@ -291,6 +311,21 @@ class Lane:
             RELAY_ACKNOWLEDGED.labels(address).inc(delivered)
             if delivered == 0 or (messages < self.relay.batch_messages and len(batch) < max_bytes // 2):
                 return  # all sent, or nothing new taken: wait for the next wake rather than spin
+
+    def _post(self, destination, batch: bytes, version: int) -> str:
+        """Posts the batch under each secret held for the destination in turn, until one is not refused (401): so
+        the steps of a secret's rotation may come in any order on the two nodes, as long as they share a secret
+        (docs/operations.md, "Rotating a peer's secret")."""
+        secrets = self.relay.secrets_to_sign_with(destination)
+        for tried, secret in enumerate(secrets, 1):
+            try:
+                answer = post_batch(self.client, destination, self.instance, batch, version, secret)
+            except SignatureRefused:
+                if tried == len(secrets):
+                    raise
+                continue
+            self.relay.took_secret(destination, secret)
+            return answer
 
     def _next_batch(self, address: str, max_bytes: int, version: int) -> tuple[bytes, int]:
         """The lane's next batch for the destination, in binary COPY format of that wire version, and how many

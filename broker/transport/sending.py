@@ -22,6 +22,11 @@ class UnsupportedWireVersion(TransportFailure):
         self.versions = versions
 
 
+class SignatureRefused(TransportFailure):
+    """The destination refused the request's signature (401): it may hold another of the secrets this node holds
+    for it, while one is rotated."""
+
+
 class BatchTooLarge(TransportFailure):
     """The destination refused a batch as larger than it accepts; limit_bytes is its limit, when it said."""
 
@@ -63,14 +68,19 @@ def peer_wire_versions(client: httpx.Client, address: str) -> tuple[int, ...]:
     return wire_versions_named(health) if health.status_code == 200 else ()
 
 
-def post_batch(client: httpx.Client, destination, our_instance: str, batch: bytes, version: int) -> str:
-    """Sends a batch in that wire version to the destination (a row of broker.queries.destinations); returns
-    its answer, as JSON text, once it is signed by the destination as the answer to this request.  Raises
-    TransportFailure."""
+def _detail(response: httpx.Response) -> str:
+    """A refusal's problem document, cut short, to say why; nothing when the answer is not JSON."""
+    return response.text[:300] if "json" in response.headers.get("content-type", "") else ""
+
+
+def post_batch(client: httpx.Client, destination, our_instance: str, batch: bytes, version: int, secret: str) -> str:
+    """Sends a batch in that wire version to the destination (a row of broker.queries.destinations), signed under
+    the secret; returns its answer, as JSON text, once it is signed by the destination under the same secret as the
+    answer to this request.  Raises TransportFailure."""
     address = destination.address
     media_type = wire.media_type(version)
     purpose = signing.request_purpose("POST", signing.BATCHES_PATH, media_type, str(destination.broker_instance))
-    signed = signing.signed_headers(destination.peer_secret, our_instance, purpose, batch)
+    signed = signing.signed_headers(secret, our_instance, purpose, batch)
     try:
         response = client.post(f"{address}{signing.BATCHES_PATH}", content=batch,
                                headers={"Content-Type": media_type, **signed})
@@ -84,11 +94,12 @@ def post_batch(client: httpx.Client, destination, our_instance: str, batch: byte
         takes = wire.in_words(theirs) if theirs else "a wire version it does not name"
         raise UnsupportedWireVersion(f"{address} speaks another wire version (HTTP 415): it takes {takes}, "
                                      f"this node sends {wire.in_words(wire.WIRE_VERSIONS)}", theirs)
+    if response.status_code == 401:
+        raise SignatureRefused(f"{address} answered HTTP 401 {_detail(response)}".strip())
     if response.status_code != 200:
-        detail = response.text[:300] if "json" in response.headers.get("content-type", "") else ""
-        raise TransportFailure(f"{address} answered HTTP {response.status_code} {detail}".strip())
+        raise TransportFailure(f"{address} answered HTTP {response.status_code} {_detail(response)}".strip())
     try:
-        signing.check_answer(destination.peer_secret, response.headers, signed[signing.SIGNATURE_HEADER],
+        signing.check_answer(secret, response.headers, signed[signing.SIGNATURE_HEADER],
                              response.content)
     except signing.BadSignature as error:
         raise TransportFailure(f"the answer from {address} is not signed by the peer as the answer "

@@ -1,6 +1,7 @@
 """The secret two nodes share, rotated while messages flow both ways, as docs/operations.md says: the new secret
 added on both nodes, then switched to on each, then the old one retired on each; no batch is refused at any step,
-no message waits, and `broker diagnose` says at each step which secret the peer signs with."""
+no message waits, and `broker diagnose` says at each step which secret the peer signs with.  Steps out of turn
+stall nothing either while the two nodes share a secret."""
 import re
 import time
 
@@ -97,20 +98,46 @@ def test_a_rotation_step_out_of_turn_is_refused_with_what_to_do(nodes):
         broker.add_peer_secret(c, a.instance, NEW_SECRET)
 
 
-def test_a_peer_that_signs_with_a_retired_secret_is_refused(nodes):
-    """Retiring before the peer switched is the one mistake the steps guard against: the peer's batches are
-    refused (and kept, retried) until it switches."""
+def test_the_steps_in_any_order_on_the_two_nodes_stall_nothing_while_the_nodes_share_a_secret(nodes):
+    """a adds and switches before b holds the new secret, and retires the old one before b switches: each relay
+    signs under the other secret it holds when one is refused, so every message goes on at once."""
     a, b = nodes
-    _on_both(a, b, lambda c, peer: broker.add_peer_secret(c, peer, NEW_SECRET))
+    to_b, to_a = Traffic(a, b, "shop", "warehouse"), Traffic(b, a, "warehouse", "shop")
+    try:
+        with a.engine.begin() as c:
+            broker.add_peer_secret(c, b.instance, NEW_SECRET)
+            broker.switch_peer_secret(c, b.instance)  # b does not take the new secret yet
+        time.sleep(1.5)
+        with b.engine.begin() as c:
+            broker.add_peer_secret(c, a.instance, NEW_SECRET)
+        with a.engine.begin() as c:
+            assert broker.retire_peer_secret(c, b.instance) == 1  # b still signs with the old one
+        time.sleep(1.5)
+        with b.engine.begin() as c:
+            broker.switch_peer_secret(c, a.instance)
+            assert broker.retire_peer_secret(c, a.instance) == 1
+        time.sleep(1.5)
+    finally:
+        for traffic in (to_b, to_a):
+            traffic.finish()
+    for traffic in (to_b, to_a):
+        traffic.check()
+        assert not traffic.failures, traffic.failures[:3]
+        assert traffic.longest_wait_s() < 2, "a message stalled"
+
+
+def test_nodes_that_share_no_secret_keep_their_messages_until_they_do(nodes):
+    a, b = nodes
     with a.engine.begin() as c:
+        broker.add_peer_secret(c, b.instance, NEW_SECRET)
         broker.switch_peer_secret(c, b.instance)
-        assert broker.retire_peer_secret(c, b.instance) == 1
+        broker.retire_peer_secret(c, b.instance)  # too early: b never held the new secret
     with b.engine.begin() as c:
         handle = broker.begin_dialog(c, "warehouse", "shop", "orders")
-        broker.send(c, handle, "order.note", "signed with the retired secret")
+        broker.send(c, handle, "order.note", "signed with the secret a retired")
     status = wait_for(lambda: b.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status"
                                        " WHERE attempts > 0"), 30, "the refusal")
     assert "HTTP 401" in status
     with b.engine.begin() as c:
-        broker.switch_peer_secret(c, a.instance)
-    assert [m.body for m in a.receive_all("shop_queue", 1, timeout_s=60)] == [b"signed with the retired secret"]
+        broker.add_peer_secret(c, a.instance, NEW_SECRET)  # shared again: b's relay signs under it once refused
+    assert [m.body for m in a.receive_all("shop_queue", 1, timeout_s=60)] == [b"signed with the secret a retired"]
