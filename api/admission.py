@@ -7,6 +7,7 @@ in a wire version this node does not take is answered 415 the same way (broker.t
 handed on to the route (api.auth); a peer's signature over its body is checked once the body has
 come (api.routes.transport).
 """
+import hashlib
 import time
 from uuid import UUID
 
@@ -24,6 +25,10 @@ KEY_SCHEME = "bearer "
 # would otherwise cost a query before its body is read.  A route dropped meanwhile takes its secrets with
 # it, so the peer's signature is refused (api.routes.transport).
 ROUTED_FOR_S = 1.0
+# A key found live is let in without a look at the database for this long: a key revoked meanwhile stops working
+# within it (docs/operations.md, "API keys").  Only live keys are kept, so an outsider cannot fill the cache.
+KEY_KNOWN_FOR_S = 5.0
+KEYS_KEPT = 1000
 
 
 def needs_key(path: str) -> bool:
@@ -70,6 +75,7 @@ class Admission:
         self.engine = engine
         self.max_clock_skew_s = max_clock_skew_s
         self.routed_until: dict[str, float] = {}  # only instances found routed: as many as the routes name
+        self.known_keys: dict[bytes, tuple[api_keys.ApiKey, float]] = {}  # by the presented key's SHA-256
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -89,7 +95,7 @@ class Admission:
             authorization = request.headers.get("authorization", "")
             if not authorization.lower().startswith(KEY_SCHEME):
                 return unauthorized()
-            key = await anyio.to_thread.run_sync(self._verify, authorization[len(KEY_SCHEME):].strip())
+            key = await self._key(authorization[len(KEY_SCHEME):].strip())
             if key is None:
                 return unauthorized()
             request.state.api_key = key
@@ -108,6 +114,21 @@ class Admission:
             if path == signing.BATCHES_PATH and wire.taken_version(content_type) is None:
                 return unsupported_wire_version(content_type)
         return None
+
+    async def _key(self, presented: str) -> api_keys.ApiKey | None:
+        """The live key presented, looked up in the database at most every KEY_KNOWN_FOR_S; None when unknown."""
+        digest = hashlib.sha256(presented.encode()).digest()
+        key, known_until = self.known_keys.get(digest, (None, 0.0))
+        if known_until > time.monotonic():
+            return key
+        key = await anyio.to_thread.run_sync(self._verify, presented)
+        if key is None:
+            self.known_keys.pop(digest, None)
+            return None
+        if len(self.known_keys) >= KEYS_KEPT:
+            self.known_keys.clear()
+        self.known_keys[digest] = (key, time.monotonic() + KEY_KNOWN_FOR_S)
+        return key
 
     def _verify(self, presented: str):
         with self.engine.connect() as connection:

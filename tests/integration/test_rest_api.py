@@ -10,8 +10,10 @@ import pytest
 from sqlalchemy import text
 
 import broker
+from api import admission
 from broker import migrate, queries
 from tests import factories
+from tests.nodes import wait_for
 from tests.rest import ApiServer, new_key
 
 BEGIN = {"from_service": factories.SHOP, "to_service": factories.WAREHOUSE, "contract": factories.CONTRACT}
@@ -429,6 +431,19 @@ def test_catalog_and_status_routes(admin, engine):
                  "broker_transmission_queue_oldest_age_seconds", "broker_relay_messages_sent_total",
                  "broker_api_messages_received_total"]:
         assert line in metrics.text
+
+
+def test_a_key_revoked_while_in_use_stops_working_within_its_bound(api, engine):
+    key = new_key(engine, "admin")
+    with api.client(key) as client:
+        assert client.get("/v1/queues").status_code == 200  # looked up, and kept for KEY_KNOWN_FOR_S
+        with engine.begin() as connection:
+            queries.revoke_api_key(connection, key.split("_")[1])
+        revoked_at = time.monotonic()
+        wait_for(lambda: client.get("/v1/queues").status_code == 401, admission.KEY_KNOWN_FOR_S + 5,
+                 "the revoked key to be refused")
+        assert time.monotonic() - revoked_at <= admission.KEY_KNOWN_FOR_S + 1
+        assert client.get("/v1/queues").status_code == 401  # and from then on
 
 
 def test_readiness_follows_the_database_and_the_schema(api, engine):
