@@ -3,8 +3,10 @@
 Each node is a database on the benchmark's server and real processes on it: A's relay
 runs as `broker relay`, B's transport endpoint as `broker serve --no-relay`.
 """
+import os
 import secrets
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,16 +26,29 @@ def serve_api(database_url: str, log: Path, port: int | None = None, settings: d
     """`broker serve --no-relay` on the port (a free one by default), once it answers; returns the process and
     its address."""
     port = port or free_port()
-    address = f"http://127.0.0.1:{port}"
     process = start_broker(database_url, log, "serve", "--no-relay", "--no-migrate", "--port", str(port),
                            settings=settings)
+    return _answering(process, f"http://127.0.0.1:{port}", f"the API on {database_url}", log)
+
+
+def _answering(process: subprocess.Popen, address: str, what: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """The process and its address, once its /healthz answers; stopped, and an error, if it does not in 30 s."""
     deadline = time.monotonic() + 30
     while not answers(address):
         if time.monotonic() > deadline or process.poll() is not None:
             process.terminate()
-            raise RuntimeError(f"the API on {database_url} did not start; see {log}")
+            raise RuntimeError(f"{what} did not start; see {log}")
         time.sleep(0.1)
     return process, address
+
+
+def start_bare_api(database_url: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """The REST baseline (bench.bare_api) on a free port, once it answers; returns the process and its address."""
+    port = free_port()
+    with log.open("ab") as out:
+        process = subprocess.Popen([sys.executable, "-m", "bench.bare_api", str(port)], stdout=out,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "BROKER_DATABASE_URL": database_url})
+    return _answering(process, f"http://127.0.0.1:{port}", f"the bare API on {database_url}", log)
 
 
 class TwoNodes:

@@ -1,5 +1,6 @@
 """REST: concurrent clients send over HTTP (a message a request, then 100 numbered messages a request), then
-receive with peek-lock and complete, on a `broker serve`."""
+receive with peek-lock and complete, on a `broker serve`; and, as the baseline of a message a request, the same
+clients on a bare FastAPI endpoint that only inserts and commits (bench.bare_api)."""
 import base64
 from collections.abc import Callable
 from pathlib import Path
@@ -9,7 +10,7 @@ from sqlalchemy import create_engine
 
 from bench import workload
 from bench.databases import BenchServer
-from bench.nodes import serve_api
+from bench.nodes import serve_api, start_bare_api
 from bench.results import Measurement, ScenarioResult
 from broker import api_keys
 from broker.cli.processes import stop
@@ -84,10 +85,20 @@ def run(server: BenchServer, log: Path, clients: int, messages_per_client: int,
             http.post(f"{address}/v1/locks/{received['lock_token']}/complete", headers=headers).raise_for_status()
             taken += len(received["messages"])
 
+    def send_bare(http: httpx.Client) -> int:
+        for _ in range(messages_per_client):
+            http.post(f"{bare_address}/messages", json={"body_base64": body}).raise_for_status()
+        return messages_per_client
+
+    bare, bare_address = start_bare_api(server.database("rest_bare"), log)
+    try:
+        bare_sent = _clients(clients, send_bare, errors)
+    finally:
+        stop(bare)
     try:
         sent = _clients(clients, send, errors)
         report(f"REST: {clients} clients sent {clients * messages_per_client:,} messages at {sent:,.0f} msgs/s, "
-               "a message a request")
+               f"a message a request ({sent / bare_sent:.2f}x a bare FastAPI INSERT and commit: {bare_sent:,.0f})")
         batched = _clients(clients, send_batches, errors)
         report(f"REST: {clients} clients sent {clients * batched_per_client:,} messages at {batched:,.0f} msgs/s, "
                f"{BATCH} a request")
@@ -100,6 +111,7 @@ def run(server: BenchServer, log: Path, clients: int, messages_per_client: int,
                                                           [batched]),
         target=f"≥ {BATCHED_TARGET:,} msgs/s sent; no errors", met=not errors and batched >= BATCHED_TARGET,
         details={"clients": clients, "messages": clients * (messages_per_client + batched_per_client),
-                 "send_one_a_request_msgs_per_s": sent, "send_batched_msgs_per_s": batched,
+                 "send_one_a_request_msgs_per_s": sent, "bare_fastapi_insert_msgs_per_s": bare_sent,
+                 "send_one_a_request_vs_bare": sent / bare_sent, "send_batched_msgs_per_s": batched,
                  "receive_complete_msgs_per_s": received, "receive_batch": 100, "errors": errors[:5],
                  "error_count": len(errors)})
