@@ -3,6 +3,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from statistics import median
 from pathlib import Path
 
 import psycopg2
@@ -24,6 +25,12 @@ SEND_ONE_BY_ONE = ("SELECT count(broker.send(handle, 'bench.record', body))"
                    " FROM unnest(%(handles)s::uuid[], %(bodies)s::bytea[]) AS m(handle, body)")
 SEND_TO_ONE = ("SELECT count(broker.send(%(handle)s, 'bench.record', body))"
                " FROM unnest(%(bodies)s::bytea[]) AS m(body)")
+# Where the server's WAL is written up to, and how many bytes it has written since: what each way of sending costs
+# in writes (every database of the benchmark is on one server, and one scenario runs at a time).
+WAL_NOW = "SELECT pg_current_wal_insert_lsn()"
+WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)"
+# The grouped scenario: a transaction of 100 sends 10 messages on each of 10 conversations.
+GROUPED_CONVERSATIONS = 10
 
 
 def _bare_insert(connection, messages: int, payloads: list) -> None:
@@ -83,17 +90,27 @@ def send(server: BenchServer, messages: int, repetitions: int, report: Callable[
     """100 messages per transaction, to a remote service (into the transmission queue) and to a service in
     the same database (into its queue), by broker.send_batch and by 100 calls of broker.send in one
     statement, against a multi-row INSERT of the same 100 rows into a bare table and, when its SQL is
-    given, pgmq.send_batch of 100."""
+    given, pgmq.send_batch of 100; a message on each of 100 conversations, and send_batch to the local service
+    with 10 messages on each of 10.  Each with the WAL it writes per message."""
     remote, local = (psycopg2.connect(_prepare(server, remote_receiver=remote)) for remote in (True, False))
+    wal = psycopg2.connect(server.database("wal"))
+    wal.autocommit = True
     pgmq_url = _pgmq_database(server, pgmq_sql)
     peer = psycopg2.connect(pgmq_url) if pgmq_url else None
     payloads, pgmq_payloads = workload.bodies(), pgmq.bodies()
     handles = {connection: workload.begin_conversations(connection, workload.PER_TRANSACTION)
                for connection in (remote, local)}
+    grouped = workload.begin_conversations(local, GROUPED_CONVERSATIONS)
     rates: dict[str, list[float]] = {}
+    wal_bytes: dict[str, list[float]] = {}
 
     def measure(name: str, action: Callable[[], None]) -> float:
-        rates.setdefault(name, []).append(_rate(action, messages))
+        with wal.cursor() as cursor:
+            cursor.execute(WAL_NOW)
+            (before,) = cursor.fetchone()
+            rates.setdefault(name, []).append(_rate(action, messages))
+            cursor.execute(WAL_SINCE, (before,))
+            wal_bytes.setdefault(name, []).append(float(cursor.fetchone()[0]) / messages)
         return rates[name][-1]
 
     try:
@@ -104,17 +121,19 @@ def send(server: BenchServer, messages: int, repetitions: int, report: Callable[
             for target, connection in (("remote", remote), ("local", local)):
                 line.append(f"send_batch to {target} {measure(f'batch {target}', lambda: workload.send_round_robin(connection, handles[connection], messages, payloads)):,.0f}")
                 line.append(f"send to {target} {measure(f'send {target}', lambda: _send_one_by_one(connection, handles[connection], messages, payloads)):,.0f}")
+            line.append(f"send_batch to local, 10 a conversation {measure('batch local grouped', lambda: workload.send_round_robin(local, grouped, messages, payloads)):,.0f}")
             if peer:
                 line.append(f"pgmq.send_batch {measure('pgmq', lambda: pgmq.send(peer, messages, pgmq_payloads)):,.0f}")
             report(f"local send: repetition {repetition}/{repetitions} (msgs/s): {', '.join(line)}")
     finally:
-        for connection in (remote, local, peer):
+        for connection in (remote, local, peer, wal):
             if connection:
                 connection.close()
     bare = Measurement("multi-row INSERT of 100 into a bare table", "msgs/s", rates["bare"])
     peer_rate = Measurement("pgmq.send_batch of 100", "msgs/s", rates["pgmq"]) if peer else None
     details = {"messages": messages, "per_transaction": workload.PER_TRANSACTION, "message_bytes": workload.MESSAGE_BYTES,
-               "conversations": workload.PER_TRANSACTION}
+               "conversations": workload.PER_TRANSACTION,
+               "wal_bytes_per_message": {name: round(median(values)) for name, values in wal_bytes.items()}}
     remote_details = {**details, "far_side": "remote: into the transmission queue"}
     local_details = {**details, "far_side": "local: into the service's queue"}
     batched, one_by_one = "broker.send_batch of 100", "100 broker.send calls in one statement"
@@ -129,6 +148,10 @@ def send(server: BenchServer, messages: int, repetitions: int, report: Callable[
         _against_pgmq("send_batch to a local service", batch_local, peer_rate, local_details),
         _against("send to a local service", send_local, bare, 0.7, local_details),
         _against_pgmq("send to a local service", send_local, peer_rate, local_details),
+        _against_pgmq("send_batch to a local service, 10 a conversation",
+                      Measurement(f"broker.send_batch of 100, {GROUPED_CONVERSATIONS} conversations", "msgs/s",
+                                  rates["batch local grouped"]), peer_rate,
+                      {**local_details, "conversations": GROUPED_CONVERSATIONS}),
     ]
 
 

@@ -16,7 +16,8 @@ SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", *AGAINS
              *{f"{name} vs pgmq" for name in AGAINST_PGMQ}, "cross-node transfer", "cross-node transfer, traced",
              "cross-node transfer, resend window",
              "cross-node latency (p50; p99 in details)", "REST send, then receive + complete",
-             "RabbitMQ publish + consume", "Spark ingest", "cross-node at scale (min of the curve)"}
+             "RabbitMQ publish + consume", "Spark ingest", "cross-node at scale (min of the curve)",
+             "send_batch to a local service, 10 a conversation vs pgmq"}
 # pgmq's SQL, when the machine has it (the bench never ships it): measured beside ours, else skipped.
 PGMQ_SQL = os.environ.get("BROKER_BENCH_PGMQ_SQL")
 
@@ -45,6 +46,10 @@ def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(admi
         if scenario["baseline"]:
             assert scenario["ratio"] > 0, name
     assert scenarios["REST send, then receive + complete"]["details"]["error_count"] == 0
+    assert scenarios["REST send, then receive + complete"]["details"]["bare_fastapi_insert_msgs_per_s"] > 0
+    written = scenarios["local send, broker.send_batch"]["details"]["wal_bytes_per_message"]
+    assert set(written) >= {"bare", "batch remote", "batch local", "batch local grouped"}
+    assert all(bytes_per_message > 0 for bytes_per_message in written.values())
     assert scenarios["cross-node transfer, traced"]["details"]["spans_exported"] > 0
     assert len(scenarios["cross-node at scale (min of the curve)"]["series"]["scale"]) == 5
     table = (tmp_path / "results.md").read_text()
