@@ -7,7 +7,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
-from sqlalchemy import create_engine, event
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
@@ -57,12 +57,7 @@ def create_app(database_url: str, settings: Settings) -> FastAPI:
     app = FastAPI(title="pg-broker node", version="0.1.0", description=DESCRIPTION, lifespan=lifespan,
                   generate_unique_id_function=_operation_id)
     app.openapi = lambda: _openapi(app)
-    # Statement parameters stay out of error messages (and so out of the log): they hold message bodies.
-    app.state.engine = create_engine(database_url, pool_size=settings.api_connections, max_overflow=0,
-                                     pool_timeout=settings.api_connection_wait_s, pool_pre_ping=True,
-                                     hide_parameters=True,
-                                     connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
-    event.listen(app.state.engine, "connect", _limit_lock_waits)
+    app.state.engine = api_engine(database_url, settings)
     app.state.settings = settings
     app.state.arrivals = Arrivals(database_url)
     app.state.schema_head = migrate.head_revision()
@@ -150,6 +145,16 @@ def _openapi(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         FastAPI.openapi(app)["components"]["schemas"]["ProblemDetails"] = ProblemDetails.model_json_schema()
     return app.openapi_schema
+
+
+def api_engine(database_url: str, settings: Settings) -> Engine:
+    """The pool the API's requests share.  Statement parameters stay out of error messages (and so out of the
+    log): they hold message bodies."""
+    engine = create_engine(database_url, pool_size=settings.api_connections, max_overflow=0,
+                           pool_timeout=settings.api_connection_wait_s, pool_pre_ping=True, hide_parameters=True,
+                           connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+    event.listen(engine, "connect", _limit_lock_waits)
+    return engine
 
 
 def _limit_lock_waits(dbapi_connection, _record) -> None:

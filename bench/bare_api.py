@@ -12,9 +12,10 @@ import sys
 import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
 from api import connections
+from api.main import api_engine
 from broker.cli.settings import Settings
 
 CREATE_TABLE = text("CREATE TABLE IF NOT EXISTS bench_bare_messages"
@@ -27,8 +28,7 @@ class Message(BaseModel):
 
 
 def create_app(database_url: str, settings: Settings) -> FastAPI:
-    engine = create_engine(database_url, pool_size=settings.api_connections, max_overflow=0,
-                           pool_timeout=settings.api_connection_wait_s, pool_pre_ping=True, hide_parameters=True)
+    engine = api_engine(database_url, settings)
     with engine.begin() as connection:
         connection.execute(CREATE_TABLE)
     app = FastAPI()

@@ -93,7 +93,7 @@ def send(server: BenchServer, messages: int, repetitions: int, report: Callable[
     given, pgmq.send_batch of 100; a message on each of 100 conversations, and send_batch to the local service
     with 10 messages on each of 10.  Each with the WAL it writes per message."""
     remote, local = (psycopg2.connect(_prepare(server, remote_receiver=remote)) for remote in (True, False))
-    wal = psycopg2.connect(server.database("wal"))
+    wal = psycopg2.connect(server.server_url)
     wal.autocommit = True
     pgmq_url = _pgmq_database(server, pgmq_sql)
     peer = psycopg2.connect(pgmq_url) if pgmq_url else None

@@ -49,13 +49,10 @@ PEER_IS_ROUTED = text("SELECT EXISTS (SELECT FROM broker.routes WHERE broker_ins
 SECRETS_OF_PEER = text(
     "SELECT peer_secret FROM broker.routes WHERE broker_instance = :instance"
     " UNION SELECT secret FROM broker.peer_secrets WHERE broker_instance = :instance")
-# Written at most every ten seconds per peer and secret, whatever the rate of batches: the row is not even
-# locked in between, so batches accepted side by side do not wait for each other here.
+# broker.transport.receiving writes it at most every NOTE_SECRET_USE_EVERY_S per peer and secret.
 NOTE_SECRET_USE = text(
-    "INSERT INTO broker.peer_secret_use AS u (broker_instance, secret_sha256, last_used_at)"
-    " SELECT :instance, :secret_sha256, now()"
-    " WHERE NOT EXISTS (SELECT FROM broker.peer_secret_use WHERE broker_instance = :instance"
-    "                   AND secret_sha256 = :secret_sha256 AND last_used_at > now() - interval '10 seconds')"
+    "INSERT INTO broker.peer_secret_use (broker_instance, secret_sha256, last_used_at)"
+    " VALUES (:instance, :secret_sha256, now())"
     " ON CONFLICT (broker_instance, secret_sha256) DO UPDATE SET last_used_at = excluded.last_used_at")
 # Each secret this node holds for a peer: the routes' (current), and those being rotated in (next) or out
 # (previous), with when the peer last signed a batch with it.

@@ -3,6 +3,7 @@ them, and what arrived checked: none lost, none repeated, none reordered, and ho
 import threading
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 
 from sqlalchemy import text
 
@@ -87,3 +88,18 @@ class Traffic:
             got = self.received[conversation]
             assert [number for number, _ in got] == list(range(1, len(bodies) + 1)), conversation
             assert [body for _, body in got] == bodies, conversation
+
+
+@contextmanager
+def both_ways(a, b):
+    """Traffic from a's shop to b's warehouse and back, flowing while the block runs; once it ends, everything
+    sent has arrived, once and in order, and no send or receive failed."""
+    to_b, to_a = Traffic(a, b, "shop", "warehouse"), Traffic(b, a, "warehouse", "shop")
+    try:
+        yield to_b, to_a
+    finally:
+        for traffic in (to_b, to_a):
+            traffic.finish()
+    for traffic in (to_b, to_a):
+        traffic.check()
+        assert not traffic.failures, traffic.failures[:3]

@@ -7,6 +7,7 @@ own input checks refuse anything malformed.  A version 2 batch has no traceparen
 """
 import hashlib
 import io
+import time
 from collections.abc import Mapping
 from contextlib import ExitStack
 
@@ -17,6 +18,13 @@ from sqlalchemy.exc import DataError, IntegrityError
 from broker import queries, tracing
 from broker.sessions import with_temporary_table
 from broker.transport import signing, wire
+
+# Which secret a peer signs with is written down this often at most (per peer and secret, per process), not with
+# every batch: `broker diagnose` reads it (broker.peer_secret_use).
+NOTE_SECRET_USE_EVERY_S = 10.0
+# When this process last wrote it down, by peer and the secret's SHA-256: only peers whose signature was good.
+_secret_use_noted: dict[tuple[str, bytes], float] = {}
+
 
 class Malformed(Exception):
     """The body is not what the endpoint takes; the message says what is wrong with it."""
@@ -42,7 +50,7 @@ def accept_batch(engine: Engine, our_instance: str, peer_instance: str, headers:
         with engine.connect() as connection, ExitStack() as traces, \
                 with_temporary_table(connection, "incoming_transport_batch", queries.STAGE_BATCH).begin():
             secret = secret_of_signer(connection, peer_instance, purpose, headers, batch)
-            queries.note_secret_use(connection, peer_instance, hashlib.sha256(secret.encode()).digest())
+            _note_secret_use(connection, peer_instance, secret)
             stored = batch if version < 3 else traces.enter_context(
                 tracing.handed_on(batch, "accept", "server", {"pg_broker.peer": peer_instance}))
             with connection.connection.cursor() as cursor:
@@ -53,3 +61,13 @@ def accept_batch(engine: Engine, our_instance: str, peer_instance: str, headers:
     except (DataError, IntegrityError) as error:  # or the checks of broker.accept_transport_batch
         raise Malformed(str(error.orig).strip().splitlines()[0]) from error
     return secret, answer.encode()
+
+
+def _note_secret_use(connection: Connection, peer_instance: str, secret: str) -> None:
+    """Writes down, with the batch, that the peer signs with the secret: at most every NOTE_SECRET_USE_EVERY_S.
+    Should the batch's transaction not commit, the next batch after that time writes it."""
+    noted = (peer_instance, hashlib.sha256(secret.encode()).digest())
+    if _secret_use_noted.get(noted, 0.0) > time.monotonic():
+        return
+    queries.note_secret_use(connection, *noted)
+    _secret_use_noted[noted] = time.monotonic() + NOTE_SECRET_USE_EVERY_S

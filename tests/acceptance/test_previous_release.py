@@ -15,7 +15,7 @@ from broker import schema
 from tests.conftest import _fresh_database
 from tests.migrations import catalog
 from tests.nodes import Node, serve_pair, stop_all
-from tests.traffic import QUEUES, Traffic
+from tests.traffic import QUEUES, both_ways
 from tests.releases import (LAST_RELEASE_OF_WIRE_VERSION_2, PREVIOUS_RELEASE, PREVIOUS_REVISION, checkout, install,
                             run)
 
@@ -109,30 +109,26 @@ def test_one_node_upgraded_while_traffic_flows_both_ways_loses_repeats_and_reord
     """b runs the previous release.  With messages flowing both ways all along: b's database is migrated by this
     release while b's previous release serves it, then b's process is replaced by this release's."""
     a, b, _ = mixed_pair
-    to_b = Traffic(a, b, "shop", "warehouse")
-    to_a = Traffic(b, a, "warehouse", "shop")
-    time.sleep(2)
-    assert _ready(b).status_code == 200
+    with both_ways(a, b) as (to_b, to_a):  # the applications' databases never stop: no send or receive fails
+        time.sleep(2)
+        assert _ready(b).status_code == 200
 
-    migrated_at = time.time()
-    this_release.upgrade(b.database_url)  # while the previous release serves b, and traffic flows
-    assert b.scalar(REVISION) == this_release.head_revision()
-    # The previous release knows no later revision, and says so, while it goes on serving (a node of this release
-    # stays ready on a database migrated ahead of it, as long as the revision serves it: see test_rest_api).
-    assert _ready(b).json()["detail"] == (f"the database is at revision {this_release.head_revision()}, this node "
-                                          f"needs {PREVIOUS_REVISION}: run 'broker migrate'")
-    time.sleep(2)
+        migrated_at = time.time()
+        this_release.upgrade(b.database_url)  # while the previous release serves b, and traffic flows
+        assert b.scalar(REVISION) == this_release.head_revision()
+        # The previous release knows no later revision, and says so, while it goes on serving (a node of this
+        # release stays ready on a database migrated ahead of it, as long as the revision serves it: see
+        # test_rest_api).
+        assert _ready(b).json()["detail"] == (f"the database is at revision {this_release.head_revision()}, this "
+                                              f"node needs {PREVIOUS_REVISION}: run 'broker migrate'")
+        time.sleep(2)
 
-    upgraded_at = time.time()
-    b.stop()
-    b.release = None
-    b.start()
-    assert _ready(b).json() == {"status": "ready", "schema_revision": this_release.head_revision()}
-    time.sleep(3)
-    for traffic in (to_b, to_a):
-        traffic.finish()
-        traffic.check()
-        assert not traffic.failures, traffic.failures[:3]  # the applications' databases never stopped
+        upgraded_at = time.time()
+        b.stop()
+        b.release = None
+        b.start()
+        assert _ready(b).json() == {"status": "ready", "schema_revision": this_release.head_revision()}
+        time.sleep(3)
     with capsys.disabled():  # how long messages waited: before the migration, after it, and once b was replaced
         for name, traffic in (("a -> b", to_b), ("b -> a", to_a)):
             print(f"\n{name}: {len(traffic.waited)} messages, none lost, repeated or reordered; the longest wait "
