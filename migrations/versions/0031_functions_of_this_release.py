@@ -1,0 +1,19 @@
+"""This release's function files: the relay's answer is held to the numbers the batch carried, not to a copy of
+the batch.  No table changes: it applies while nodes of the previous release serve, and their code keeps working
+(broker.apply_transport_results(jsonb) stays for them).
+
+Revision ID: 0031
+Revises: 0030
+"""
+revision = "0031"
+down_revision = "0030"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    """The function files are applied after the revisions (broker.schema.apply_functions)."""
+
+
+def downgrade() -> None:
+    pass
