@@ -13,7 +13,10 @@ from pathlib import Path
 import psutil
 import psycopg2
 
+from sqlalchemy.engine import make_url
+
 from bench import workload
+from bench.cpu import Roles
 from bench.databases import BenchServer
 from broker.cli.processes import answers, free_port, start_broker, stop
 
@@ -92,6 +95,11 @@ class TwoNodes:
         stop(self.api)
         self.api, _ = serve_api(self.b_url, self.log, int(self.address.rsplit(":", 1)[1]), settings)
         self.start_relay(settings)
+
+    def roles(self) -> Roles:
+        """The processes of the two nodes, for their CPU time (bench.cpu)."""
+        return Roles(self.a.get_backend_pid(), self.a_url, make_url(self.a_url).database,
+                     make_url(self.b_url).database, self.relay.pid, self.api.pid)
 
     def rss_mb(self) -> dict[str, float]:
         """Resident memory of the relay and API processes."""

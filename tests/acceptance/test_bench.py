@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from bench.cpu import GROUPS
+
 AGAINST_PGMQ = {"send_batch to a local service", "send to a local service", "local receive, 1 reader",
                 "local receive, 4 readers"}
 SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", *AGAINST_PGMQ,
@@ -51,6 +53,10 @@ def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(admi
     assert set(written) >= {"bare", "batch remote", "batch local", "batch local grouped"}
     assert all(bytes_per_message > 0 for bytes_per_message in written.values())
     assert scenarios["cross-node transfer, traced"]["details"]["spans_exported"] > 0
+    cpu_us = scenarios["cross-node transfer"]["details"]["cpu_us_per_message"]
+    assert set(cpu_us) == {*GROUPS, "all"}
+    assert all(cpu_us[group] > 0 for group in ("sender's backend", "A's relay-lane backends", "B's accepting backends",
+                                               "relay (Python)", "API (Python)"))
     assert len(scenarios["cross-node at scale (min of the curve)"]["series"]["scale"]) == 5
     table = (tmp_path / "results.md").read_text()
     assert all(name in table for name in SCENARIOS)

@@ -1,0 +1,75 @@
+"""CPU time per message, per process, over a cross-node transfer: where the two nodes spend it.
+
+Every process of both nodes is counted: the relay and the API (with any children), and every process of the
+PostgreSQL server the two databases live on, grouped by what it serves: the sender's backend, A's other
+backends (the relay's lanes), B's backends (the API's accepts), and the server's own processes (WAL writer,
+checkpointer, ...).  The load generator's Python is not part of either node and is left out.
+"""
+from collections import Counter
+from dataclasses import dataclass
+
+import psutil
+import psycopg2
+
+# The groups, in the order they are reported.
+GROUPS = ("sender's backend", "A's relay-lane backends", "B's accepting backends", "PostgreSQL's own processes",
+          "relay (Python)", "API (Python)")
+
+
+BACKENDS = "SELECT pid, datname FROM pg_stat_activity WHERE datname IS NOT NULL"
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The processes of the two nodes: the sender's backend, A's database (by its URL) and B's database name, the
+    relay and the API."""
+    sender_backend: int
+    a_url: str
+    a_database: str
+    b_database: str
+    relay: int
+    api: int
+
+    def times(self) -> dict[tuple[str, int], float]:
+        """CPU seconds (user and system) each process alive now has used so far, by its group and pid."""
+        databases = self._databases()
+        groups = {self.a_database: GROUPS[1], self.b_database: GROUPS[2]}
+        used = {}
+        for process in psutil.Process(self.sender_backend).parent().children():
+            group = GROUPS[0] if process.pid == self.sender_backend else groups.get(databases.get(process.pid),
+                                                                                    GROUPS[3])
+            try:
+                used[group, process.pid] = _seconds(process)
+            except psutil.NoSuchProcess:
+                continue
+        for group, pid in ((GROUPS[4], self.relay), (GROUPS[5], self.api)):
+            process = psutil.Process(pid)
+            for member in (process, *process.children(recursive=True)):
+                used[group, member.pid] = _seconds(member)
+        return used
+
+
+    def _databases(self) -> dict[int, str]:
+        """Each backend's database, read on a connection that ends before the processes are read."""
+        connection = psycopg2.connect(self.a_url)
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(BACKENDS)
+                return dict(cursor.fetchall())
+        finally:
+            connection.close()
+
+
+def _seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def per_message_us(before: dict, after: dict, messages: int) -> dict[str, float]:
+    """µs of CPU per message in each group, and in all, between two readings of Roles.times (a process that
+    started in between counts from its start; one that ended in between is not counted)."""
+    used = Counter()
+    for (group, pid), seconds in after.items():
+        used[group] += seconds - before.get((group, pid), 0.0)
+    per_message = {group: used[group] * 1e6 / messages for group in GROUPS}
+    return {**per_message, "all": sum(per_message.values())}
