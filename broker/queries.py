@@ -525,14 +525,9 @@ NEXT_BATCH = {
        " sequence_number, message_type, body"
        " FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s, %(first)s, %(last)s))"
        " TO STDOUT (FORMAT binary)"}
-# The batch a lane sent, for one transaction, beside the answer that is applied to it.
-STAGE_SENT_BATCH = text("CREATE TEMPORARY TABLE IF NOT EXISTS sent_transport_batch OF broker.transport_message"
-                        " ON COMMIT DELETE ROWS")
-COPY_SENT_BATCH = {
-    3: "COPY pg_temp.sent_transport_batch FROM STDIN (FORMAT binary)",
-    2: "COPY pg_temp.sent_transport_batch (conversation_id, sender_is_initiator, from_service, to_service, contract,"
-       " expires_at, sequence_number, message_type, body) FROM STDIN (FORMAT binary)"}
-APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb))")
+# The far node's answer, held to the highest number the batch carried of each conversation side (in step).
+APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb), CAST(:conversations AS uuid[]),"
+                    " :by_initiator, :last_sent)")
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, :last, :reason, :retry_after)")
 FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
 FORGET_ACKNOWLEDGED_MESSAGES = text("SELECT broker.forget_acknowledged_messages()")

@@ -36,7 +36,6 @@ from sqlalchemy.exc import DataError, DBAPIError
 
 from broker import queries, timers, tracing
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILURES, RELAY_SENT
-from broker.sessions import with_temporary_table
 from broker.transport import wire
 from broker.transport.sending import (BatchTooLarge, SignatureRefused, TransportFailure, UnsupportedWireVersion,
                                       peer_wire_versions, post_batch)
@@ -290,7 +289,7 @@ class Lane:
             try:
                 with traced as batch:
                     answer = self._post(destination, batch, version)
-                    delivered = self._apply_answer(destination, batch, version, answer)
+                    delivered = self._apply_answer(destination, batch, answer)
             except UnsupportedWireVersion as refusal:
                 RELAY_FAILURES.labels(address).inc()
                 if self.relay.refused_version(address, version, refusal.versions):
@@ -338,15 +337,17 @@ class Lane:
             messages = cursor.rowcount
         return batch.getvalue(), messages
 
-    def _apply_answer(self, destination, batch: bytes, version: int, answer: str) -> int:
+    def _apply_answer(self, destination, batch: bytes, answer: str) -> int:
         """Applies the destination's answer to the batch it answers, in one transaction; returns how many
-        messages it acknowledged.  The batch goes into a temporary table by COPY, so that the answer settles
-        only the messages the batch carried (see broker.apply_transport_results)."""
-        with_temporary_table(self.connection, "sent_transport_batch", queries.STAGE_SENT_BATCH)
+        messages it acknowledged.  The answer settles only the messages the batch carried: at most the highest
+        number it carried of each conversation (see broker.apply_transport_results)."""
+        sides = wire.last_numbers(batch)
         try:
-            with self.connection.begin(), self.connection.connection.cursor() as cursor:
-                cursor.copy_expert(queries.COPY_SENT_BATCH[version], io.BytesIO(batch))
-                return self.connection.execute(queries.APPLY_ANSWER, {"answer": answer}).scalar_one()
+            with self.connection.begin():
+                return self.connection.execute(queries.APPLY_ANSWER, {
+                    "answer": answer, "conversations": [conversation for conversation, _ in sides],
+                    "by_initiator": [by_initiator for _, by_initiator in sides],
+                    "last_sent": list(sides.values())}).scalar_one()
         except DataError as error:  # the results are not what a transport answer holds: nothing was applied
             raise TransportFailure(f"the answer from {destination.address} is malformed: "
                                    f"{str(error.orig).strip().splitlines()[0]}") from error

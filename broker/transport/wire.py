@@ -9,6 +9,7 @@ other version is refused from the request's headers (415, naming the versions th
 never read each other's batches as something they are not.  A request is signed for its media type as well
 (broker.transport.signing), so a batch cannot be passed off as another format.  See docs/protocol.md.
 """
+import struct
 import uuid
 from collections.abc import Iterable
 
@@ -77,3 +78,31 @@ def first_conversation(batch: bytes) -> tuple[uuid.UUID, bool]:
     19-byte header, then per row a 2-byte field count and each field as a 4-byte length and its bytes (a uuid
     has 16)."""
     return uuid.UUID(bytes=batch[25:41]), batch[45] == 1
+
+
+# A row's fields before sequence_number, the seventh (in every version): conversation_id, sender_is_initiator,
+# from_service, to_service, contract, expires_at.
+FIELDS_BEFORE_SEQUENCE = 6
+
+
+def last_numbers(batch: bytes) -> dict[tuple[str, bool], int]:
+    """The highest sequence number a batch (of any version) carries of each conversation side, by its
+    conversation id (as text) and sender_is_initiator: what an answer to the batch may settle.  Each row is read
+    as far as its number; the rest of it (the body) is stepped over by its length."""
+    numbers = {}
+    offset = 19  # the header: signature, flags and header extension length
+    while True:
+        (fields,) = struct.unpack_from(">h", batch, offset)
+        if fields == -1:  # the trailer
+            return numbers
+        offset += 2
+        side = (str(uuid.UUID(bytes=batch[offset + 4:offset + 20])), batch[offset + 24] == 1)
+        for _ in range(FIELDS_BEFORE_SEQUENCE):
+            (length,) = struct.unpack_from(">i", batch, offset)
+            offset += 4 + max(length, 0)
+        (_, number) = struct.unpack_from(">iq", batch, offset)
+        offset += 12
+        for _ in range(fields - FIELDS_BEFORE_SEQUENCE - 1):
+            (length,) = struct.unpack_from(">i", batch, offset)
+            offset += 4 + max(length, 0)
+        numbers[side] = max(number, numbers.get(side, 0))

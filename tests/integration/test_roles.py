@@ -17,6 +17,7 @@ from sqlalchemy.engine import make_url
 
 import broker
 from broker import api_keys, migrate
+from broker.transport import wire
 from broker.cli.processes import answers, free_port, start_broker, stop
 from tests.conftest import _fresh_database, admin_execute
 from tests.nodes import SECRET, wait_for
@@ -62,6 +63,7 @@ REFUSED_TO_APPLICATION = [
     ("SELECT * FROM broker.transport_batch('http://h', 10, 1000, NULL, NULL)", "function transport_batch"),
     ("SELECT broker.accept_transport_batch(gen_random_uuid())", "function accept_transport_batch"),
     ("SELECT broker.apply_transport_results('{}')", "function apply_transport_results"),
+    ("SELECT broker.apply_transport_results('{}', '{}', '{}', '{}')", "function apply_transport_results"),
     ("SELECT broker.record_transport_failure('http://h', NULL, NULL, 'down', '1 s')",
      "function record_transport_failure"),
     ("SELECT broker.forget_closed_endpoints(10)", "function forget_closed_endpoints"),
@@ -366,12 +368,10 @@ def _carry(sender_url: str, receiver_url: str, address: str, sender_instance: uu
                                io.BytesIO(batch.getvalue()))
             cursor.execute("SELECT broker.accept_transport_batch(%s)::text", (str(sender_instance),))
             answer = cursor.fetchone()[0]
+        sides = wire.last_numbers(batch.getvalue())
         with sender, sender.cursor() as cursor:
-            cursor.execute("CREATE TEMPORARY TABLE sent_transport_batch OF broker.transport_message"
-                           " ON COMMIT DELETE ROWS")
-            cursor.copy_expert("COPY pg_temp.sent_transport_batch FROM STDIN (FORMAT binary)",
-                               io.BytesIO(batch.getvalue()))
-            cursor.execute("SELECT broker.apply_transport_results(%s::jsonb)", (answer,))
+            cursor.execute("SELECT broker.apply_transport_results(%s::jsonb, %s::uuid[], %s, %s)",
+                           (answer, [c for c, _ in sides], [i for _, i in sides], list(sides.values())))
             return cursor.fetchone()[0]
     finally:
         sender.close()

@@ -4,6 +4,8 @@ a relay facing a node that shares no version keeps its messages and says why."""
 import json
 import time
 import uuid
+from datetime import UTC, datetime
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -168,3 +170,17 @@ def test_a_relay_refused_for_its_wire_version_sends_the_version_the_refusal_name
         versions = [wire.version_of(r.headers["Content-Type"]) for r in older.requests if r.method == "POST"]
         assert versions[:2] == ["3", "2"] and set(versions[1:]) == {"2"}  # refused once, then version 2 at once
         wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the acknowledgements")
+
+
+def test_the_highest_number_of_each_conversation_side_is_read_from_a_batch_of_either_version(engine):
+    """What an answer to a batch may settle (broker.apply_transport_results), read as the relay reads it: the
+    rows' fields stepped over by their lengths, a NULL's included, whatever the version."""
+    first, second = uuid.uuid4(), uuid.uuid4()
+    rows = [(*row, None) for row in (*_batch(first, [1, 2, 3]), *_batch(second, [7], body=b"x" * 70_000))]
+    rows.append((str(first), False, "warehouse", "shop", "orders", datetime.now(UTC), 5, "order.reply", b"",
+                 TRACEPARENT))
+    expected = {(str(first), True): 3, (str(second), True): 7, (str(first), False): 5}
+    database = SimpleNamespace(engine=engine)
+    for columns in ("", "(conversation_id, sender_is_initiator, from_service, to_service, contract, expires_at,"
+                        " sequence_number, message_type, body)"):
+        assert wire.last_numbers(_encode(database, rows, columns=columns)) == expected

@@ -90,13 +90,12 @@ GRANT EXECUTE ON FUNCTION broker.transport_batch(text,integer,bigint,uuid,uuid) 
 -- deleted are sent again and the far node acknowledges them as duplicates
 -- (guarantee 3), so the relay need not wait for a flush in every cycle.
 --
--- The answer is held to the batch it answers: the relay puts the batch it sent
--- into pg_temp.sent_transport_batch (rows of broker.transport_message, by COPY
--- in this transaction), and only the results for that batch's conversations
--- apply, each acknowledging at most the highest number the batch carried of its
--- conversation.  So no answer, however it is signed, acknowledges, refuses or
--- holds back a message it was not sent.  A result without a number
--- acknowledges nothing.
+-- The answer is held to the batch it answers: the relay passes the highest
+-- number the batch carried of each conversation side it carried
+-- (sent_conversations, sent_by_initiator and last_sent, in step), and only the
+-- results for those apply, each acknowledging at most that number.  So no
+-- answer, however it is signed, acknowledges, refuses or holds back a message
+-- it was not sent.  A result without a number acknowledges nothing.
 --
 -- A database that went back to an earlier point shows in the answer (see
 -- broker.transmission_progress): a far node that acknowledges less than it did
@@ -106,7 +105,9 @@ GRANT EXECUTE ON FUNCTION broker.transport_batch(text,integer,bigint,uuid,uuid) 
 -- more than this side ever numbered, holds what this side numbered before its
 -- database went back, and this side's messages are numbered past them
 -- (broker._number_past).
-CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS bigint
+CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb, sent_conversations uuid[],
+                                                           sent_by_initiator boolean[], last_sent bigint[])
+RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
     handles uuid[];
@@ -124,9 +125,8 @@ DECLARE
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     WITH sent AS (
-        SELECT b.conversation_id, b.sender_is_initiator, max(b.sequence_number) AS last_sent
-        FROM pg_temp.sent_transport_batch b
-        GROUP BY b.conversation_id, b.sender_is_initiator
+        SELECT * FROM unnest(sent_conversations, sent_by_initiator, last_sent)
+                      AS s(conversation_id, sender_is_initiator, last_sent)
     )
     SELECT array_agg(e.conversation_handle), array_agg(e.far_service), array_agg(e.priority),
            array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)), array_agg(r.acknowledged), array_agg(r.held),
@@ -236,6 +236,24 @@ BEGIN
         END IF;
     END LOOP;
     RETURN delivered;
+END $$;
+GRANT EXECUTE ON FUNCTION broker.apply_transport_results(jsonb, uuid[], boolean[], bigint[]) TO broker_relay;
+
+-- The answer applied to the batch in pg_temp.sent_transport_batch, as the
+-- relay of a release before revision 0031 copies it there: those nodes serve
+-- a database migrated ahead of them until they are replaced.
+CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    sides record;
+BEGIN
+    SELECT array_agg(b.conversation_id) AS conversations, array_agg(b.sender_is_initiator) AS by_initiator,
+           array_agg(b.last_sent) AS last_sent
+    INTO sides
+    FROM (SELECT conversation_id, sender_is_initiator, max(sequence_number) AS last_sent
+          FROM pg_temp.sent_transport_batch
+          GROUP BY conversation_id, sender_is_initiator) b;
+    RETURN broker.apply_transport_results(answer, sides.conversations, sides.by_initiator, sides.last_sent);
 END $$;
 GRANT EXECUTE ON FUNCTION broker.apply_transport_results(jsonb) TO broker_relay;
 
