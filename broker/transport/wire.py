@@ -80,29 +80,35 @@ def first_conversation(batch: bytes) -> tuple[uuid.UUID, bool]:
     return uuid.UUID(bytes=batch[25:41]), batch[45] == 1
 
 
-# A row's fields before sequence_number, the seventh (in every version): conversation_id, sender_is_initiator,
-# from_service, to_service, contract, expires_at.
-FIELDS_BEFORE_SEQUENCE = 6
+# A batch row's fixed-size start: its field count, then conversation_id (uuid) and sender_is_initiator (boolean),
+# each after its length.  Four fields follow before sequence_number (from_service, to_service, contract and
+# expires_at), and after it the rest of the row (message_type, body and, from version 3, traceparent).
+ROW_START = 2 + (4 + 16) + (4 + 1)
+_COUNT = struct.Struct(">h").unpack_from
+_LENGTH = struct.Struct(">i").unpack_from
+_NUMBER = struct.Struct(">q").unpack_from
 
 
 def last_numbers(batch: bytes) -> dict[tuple[str, bool], int]:
     """The highest sequence number a batch (of any version) carries of each conversation side, by its
-    conversation id (as text) and sender_is_initiator: what an answer to the batch may settle.  Each row is read
-    as far as its number; the rest of it (the body) is stepped over by its length."""
+    conversation id (32 hex digits, as PostgreSQL takes a uuid) and sender_is_initiator: what an answer to the
+    batch may settle.  Each row is read as far as its number; the rest of it (the body) is stepped over by its
+    length."""
     numbers = {}
     offset = 19  # the header: signature, flags and header extension length
     while True:
-        (fields,) = struct.unpack_from(">h", batch, offset)
+        (fields,) = _COUNT(batch, offset)
         if fields == -1:  # the trailer
             return numbers
-        offset += 2
-        side = (str(uuid.UUID(bytes=batch[offset + 4:offset + 20])), batch[offset + 24] == 1)
-        for _ in range(FIELDS_BEFORE_SEQUENCE):
-            (length,) = struct.unpack_from(">i", batch, offset)
+        side = (batch[offset + 6:offset + 22].hex(), batch[offset + 26] == 1)
+        offset += ROW_START
+        for _ in range(4):
+            (length,) = _LENGTH(batch, offset)
             offset += 4 + max(length, 0)
-        (_, number) = struct.unpack_from(">iq", batch, offset)
+        (number,) = _NUMBER(batch, offset + 4)
         offset += 12
-        for _ in range(fields - FIELDS_BEFORE_SEQUENCE - 1):
-            (length,) = struct.unpack_from(">i", batch, offset)
+        for _ in range(fields - 7):
+            (length,) = _LENGTH(batch, offset)
             offset += 4 + max(length, 0)
-        numbers[side] = max(number, numbers.get(side, 0))
+        if numbers.get(side, 0) < number:
+            numbers[side] = number
