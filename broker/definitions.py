@@ -218,7 +218,7 @@ class _Reader:
         if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
             return []
         if not isinstance(node, yaml.MappingNode):
-            raise self.refuse(node, f"{what} must be a mapping of names to settings")
+            raise self.refuse(node, f"{what} must be a mapping (key: value)")
         seen = set()
         items = []
         for key_node, value in node.value:
@@ -250,16 +250,24 @@ class _Reader:
                 continue
             value = given[key]
             if kind is dict:
-                settings[key] = {t: self.scalar(v, str, f"who sends {t!r} in {what}")
+                settings[key] = {t: self.choice(v, SENT_BY, f"who sends {t!r} in {what}")
                                  for t, _, v in self.mapping(value, f"{key} of {what}", None)}
             elif kind is list:
                 settings[key] = sorted(set(self.strings(value, f"{key} of {what}")))
             elif kind is Secret:
                 settings[key] = self.secret(value, what)
+            elif key == "validation":
+                settings[key] = self.choice(value, VALIDATIONS, f"validation of {what}")
             else:
                 settings[key] = self.scalar(value, kind, f"{key} of {what}")
         self.check_values(section, what, settings, given)
         return settings
+
+    def choice(self, node: yaml.Node, choices: tuple[str, ...], what: str) -> str:
+        value = self.scalar(node, str, what)
+        if value not in choices:
+            raise self.refuse(node, f"{what} must be {', '.join(choices)}")
+        return value
 
     def strings(self, node: yaml.Node, what: str) -> list[str]:
         if not isinstance(node, yaml.SequenceNode):
@@ -282,16 +290,8 @@ class _Reader:
 
     def check_values(self, section: str, what: str, settings: dict[str, Any], given: dict[str, yaml.Node]) -> None:
         """What can be told from the entry alone; the node checks the rest (names, ranges) as it applies it."""
-        if section == "message_types" and settings["validation"] not in VALIDATIONS:
-            raise self.refuse(given["validation"], f"validation of {what} must be {', '.join(VALIDATIONS)}")
-        if section == "contracts":
-            if not settings["message_types"]:
-                raise self.refuse(given["message_types"], f"{what} names no message type: name at least one")
-            for (_, _, sent_by_node), sent_by in zip(self.mapping(given["message_types"], what, None),
-                                                     settings["message_types"].values()):
-                if sent_by not in SENT_BY:
-                    raise self.refuse(sent_by_node, f"who sends a message type of {what} must be "
-                                                    f"{', '.join(SENT_BY)}")
+        if section == "contracts" and not settings["message_types"]:
+            raise self.refuse(given["message_types"], f"{what} names no message type: name at least one")
         if section == "routes":
             try:
                 settings["broker_instance"] = str(UUID(settings["broker_instance"]))

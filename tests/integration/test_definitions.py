@@ -162,6 +162,10 @@ BAD_FILES = {
                       "service 'billing' is on queue 'nowhere', which the file does not define: add it under queues"),
     "unknown message type": ("queues:\n  new: {}\ncontracts:\n  c:\n    message_types:\n      x.y: any\n", "6:7",
                              "contract 'c' names message type 'x.y', which the file does not define"),
+    "who sends": ("queues:\n  new: {}\nmessage_types:\n  a.b:\ncontracts:\n  c:\n    message_types: {a.b: everyone}\n",
+                  "7:26", "who sends 'a.b' in contract 'c' must be initiator, target, any"),
+    "a number for a name": ("queues:\n  new: {}\nservices:\n  billing:\n    queue: 2024\n", "5:12",
+                            "queue of service 'billing' must be text (quote it)"),
     "unset secret": ("queues:\n  new: {}\nroutes:\n  billing:\n    address: http://billing.example\n"
                      f"    broker_instance: {PEER}\n    secret: {{env: BROKER_SECRET_NOT_SET}}\n", "7:19",
                      "the secret of route 'billing' is in $BROKER_SECRET_NOT_SET, which is not set"),
@@ -170,8 +174,8 @@ BAD_FILES = {
                            "a file never holds a secret"),
     "written twice": ("queues:\n  new: {}\n  new: {}\n", "3:3", "'new' is written twice in queues"),
     "not YAML": ("queues:\n  new: {}\n  - other\n", "3:3", "not valid YAML"),
-    "refused by the node": ("queues:\n  new: {}\n  'bad name!': {}\n", "3:3",
-                            "creating queue 'bad name!': invalid queue name 'bad name!' (BR050); use 1-128"),
+    "refused by the node": ("queues:\n  new: {}\n  'new but bad!': {}\n", "3:3",
+                            "creating queue 'new but bad!': invalid queue name 'new but bad!' (BR050); use 1-128"),
 }
 
 
