@@ -12,6 +12,7 @@ from sqlalchemy import create_engine, text
 import broker
 from broker import definitions
 from tests.conftest import _fresh_database
+from tests import factories
 from tests.factories import CONTRACT, SHOP, WAREHOUSE, WAREHOUSE_QUEUE, begin, broker_table_counts
 
 SECRET = "billing-and-shop-share-this-secret"
@@ -237,3 +238,14 @@ def test_a_contract_in_use_is_not_changed_and_the_refusal_says_to_name_a_new_one
     [line] = refused.stderr.splitlines()
     assert line.startswith(f"broker: {path}:") and f"replacing contract '{CONTRACT}': contract " in line
     assert "(BR041); a contract in use cannot change: define the changed one under a new name" in line
+
+
+def test_alter_service_sets_the_contracts_a_service_accepts(rolled_back):
+    factories.define_orders(rolled_back)
+    broker.alter_service(rolled_back, WAREHOUSE, [])
+    assert broker.queries.services(rolled_back, [WAREHOUSE])[0].contracts == []
+    broker.alter_service(rolled_back, WAREHOUSE, [CONTRACT, CONTRACT])
+    assert broker.queries.services(rolled_back, [WAREHOUSE])[0].contracts == [CONTRACT]
+    for service, contracts in ((WAREHOUSE, ["nope"]), ("nowhere", [CONTRACT])):
+        with pytest.raises(broker.UnknownObject), rolled_back.begin_nested():
+            broker.alter_service(rolled_back, service, contracts)
