@@ -5,6 +5,7 @@ from broker.core import (
     abandon_lock,
     add_peer_secret,
     alter_queue,
+    alter_service,
     begin_conversation_timer,
     begin_dialog,
     complete_lock,
@@ -59,7 +60,7 @@ from broker.errors import (
 __all__ = [
     "AlreadyExists", "BrokerError", "CheckpointMoved", "ConversationClosed", "InUse", "InvalidArgument", "LockLost",
     "LockedMessage", "MessageTooLarge", "NotAllowed", "QueueDisabled", "ReceivedMessage", "SequenceConflict",
-    "UnknownObject", "ValidationFailed", "abandon_lock", "add_peer_secret", "alter_queue", "begin_conversation_timer", "begin_dialog",
+    "UnknownObject", "ValidationFailed", "abandon_lock", "add_peer_secret", "alter_queue", "alter_service", "begin_conversation_timer", "begin_dialog",
     "complete_lock", "create_broker_priority", "create_contract", "create_message_type", "create_queue",
     "create_route", "create_service", "dead_letter_conversation", "drop_broker_priority", "drop_contract",
     "drop_message_type", "drop_queue", "drop_route", "drop_service",

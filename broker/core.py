@@ -123,6 +123,11 @@ def create_service(executor: Executor, name: str, queue: str, contracts: list[st
           name=name, queue=queue, contracts=list(contracts))
 
 
+def alter_service(executor: Executor, name: str, contracts: list[str] | tuple[str, ...]) -> None:
+    """Sets the contracts the service accepts as a target; conversations already begun keep theirs."""
+    _call(executor, queries.ALTER_SERVICE, name=name, contracts=list(contracts))
+
+
 def drop_service(executor: Executor, name: str) -> None:
     _call(executor, queries.DROP_SERVICE, name=name)
 

@@ -132,6 +132,9 @@ SERVICES = text(
 BROKER_PRIORITIES = text(
     "SELECT name, priority, contract_name, local_service_name, remote_service_name FROM broker.broker_priorities"
     " ORDER BY name")
+QUEUES = text("SELECT name, is_enabled, retention, poison_threshold FROM broker.queues ORDER BY name")
+# Two `broker definitions apply` on one node run one after the other, each planned on what the other left.
+LOCK_DEFINITIONS = text("SELECT pg_advisory_xact_lock(hashtext('broker definitions'))")
 # Only the conversations this side began: the service that begins a conversation need not accept its contract.
 CONTRACTS_IN_USE = text(
     "SELECT DISTINCT far_service, contract_name FROM broker.conversation_endpoints"
@@ -140,6 +143,15 @@ CONTRACTS_IN_USE = text(
 
 def broker_priorities(connection: Connection) -> list[Row]:
     return connection.execute(BROKER_PRIORITIES).all()
+
+
+def queues(connection: Connection) -> list[Row]:
+    """Every queue with its settings."""
+    return connection.execute(QUEUES).all()
+
+
+def lock_definitions(connection: Connection) -> None:
+    connection.execute(LOCK_DEFINITIONS)
 
 
 def message_types(connection: Connection) -> list[Row]:
@@ -460,6 +472,7 @@ CREATE_QUEUE = text("SELECT broker.create_queue(:name, :enabled, :retention, :th
 ALTER_QUEUE = text("SELECT broker.alter_queue(:name, :enabled, :retention, :threshold)")
 DROP_QUEUE = text("SELECT broker.drop_queue(:name)")
 CREATE_SERVICE = text("SELECT broker.create_service(:name, :queue, CAST(:contracts AS text[]))")
+ALTER_SERVICE = text("SELECT broker.alter_service(:name, CAST(:contracts AS text[]))")
 DROP_SERVICE = text("SELECT broker.drop_service(:name)")
 CREATE_ROUTE = text("SELECT broker.create_route(:service, :address, :instance, :secret)")
 DROP_ROUTE = text("SELECT broker.drop_route(:service)")

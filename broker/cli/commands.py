@@ -108,7 +108,7 @@ def database(settings: Settings) -> Iterator[tuple[str, EmbeddedPostgres | None]
         yield settings.database_url, None
         return
     with EmbeddedPostgres(settings.data_dir) as server:
-        console.print(f"[dim]embedded PostgreSQL on 127.0.0.1:{server.port}, data in {server.pgdata}[/dim]")
+        stderr.print(f"[dim]embedded PostgreSQL on 127.0.0.1:{server.port}, data in {server.pgdata}[/dim]")
         yield server.url(), server
 
 
@@ -273,6 +273,75 @@ def revoke_key(key_id: str = typer.Argument(..., help="the key id that 'broker k
         console.print(f"no live key {key_id}", style="red")
         raise typer.Exit(1)
     console.print(f"revoked {key_id}")
+
+
+definitions = typer.Typer(help="The catalog as code: export a node's message types, contracts, queues, services, "
+                                 "routes and broker priorities as one YAML file, keep it in git, apply it to a "
+                                 "node.", no_args_is_help=True)
+app.add_typer(definitions, name="definitions")
+
+
+@definitions.command("export")
+def export_definitions(output: Path = typer.Option(None, "--output", "-o", dir_okay=False, metavar="FILE",
+                                                   help="write to FILE instead of standard output")) -> None:
+    """Write the node's catalog as YAML, sorted by name, so that two exports differ only where the catalogs do.
+
+    Route secrets are never written: each route names the environment variable that holds its secret
+    (BROKER_SECRET_<SERVICE>), which `broker definitions apply` reads.
+    """
+    from broker import definitions as catalog_file
+
+    with database_engine() as engine, engine.connect() as connection:
+        text = catalog_file.export(connection)
+    if output is None:
+        print(text, end="")
+        return
+    output.write_text(text)
+    stderr.print(f"wrote the catalog to {visible(str(output))}", markup=False, highlight=False)
+
+
+@definitions.command("apply")
+def apply_definitions(
+    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="a file `broker definitions export` wrote, "
+                                                                       "or one written like it"),
+    plan: bool = typer.Option(False, "--plan", help="print what would change, and change nothing"),
+    prune: bool = typer.Option(False, "--prune", help="also drop what the file does not name (without it, such "
+                                                      "objects are kept and listed)"),
+) -> None:
+    """Make the node's catalog match FILE, in one transaction: create what is new, alter or replace what
+    differs, and (with --prune) drop what the file no longer names. Applying the same file again changes nothing.
+
+    Route secrets are read from the environment variables the file names. A refusal names the line and column
+    of the entry, and applies nothing.
+    """
+    from broker import definitions as catalog_file
+
+    try:
+        wanted = catalog_file.load(file.read_text(), str(file))
+        with database_engine() as engine, engine.connect() as connection:
+            with connection.begin() as transaction:
+                if plan:
+                    changes = catalog_file.plan(connection, wanted, prune)
+                    transaction.rollback()
+                else:
+                    changes = catalog_file.make_match(connection, wanted, prune)
+    except catalog_file.DefinitionsError as error:
+        stderr.print(f"broker: {visible(str(error))}; nothing was applied", markup=False, highlight=False,
+                     soft_wrap=True)
+        raise typer.Exit(1) from None
+    for change in changes:
+        console.print(visible(change.describe()), markup=False, highlight=False)
+    done = sum(change.action != "keep" for change in changes)
+    if not done:
+        console.print("nothing to change", highlight=False)
+    elif plan:
+        console.print(f"{done} {_changes(done)} planned; nothing was applied (--plan)", highlight=False)
+    else:
+        console.print(f"applied {done} {_changes(done)} in one transaction", highlight=False)
+
+
+def _changes(count: int) -> str:
+    return "change" if count == 1 else "changes"
 
 
 @app.command()

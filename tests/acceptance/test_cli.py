@@ -22,7 +22,8 @@ def _run(*args, env=None, timeout=300):
 
 @pytest.mark.parametrize("command", [[], ["migrate"], ["keys"], ["keys", "create"], ["psql"], ["demo"], ["serve"],
                                      ["ingest"], ["bench"], ["relay"], ["status"], ["diagnose"],
-                                     ["purge"], ["dead-letters"]])
+                                     ["purge"], ["dead-letters"], ["definitions"], ["definitions", "export"],
+                                     ["definitions", "apply"]])
 def test_every_command_has_help(command):
     result = _run(*command, "--help")
     assert result.returncode == 0

@@ -140,3 +140,22 @@ def test_ci_runs_the_readmes_test_command():
     command = README.split("# Install and run the tests\n", 1)[1].splitlines()[0]
     ci = (Path(__file__).parents[2] / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci == command
+
+
+def test_the_definitions_file_applies_as_written_and_a_misspelt_queue_is_refused_as_shown(database_url, tmp_path):
+    written = _block_after("### Definitions as code", "yaml")
+    environment = {**os.environ, "BROKER_DATABASE_URL": database_url,
+                   "BROKER_SECRET_BILLING": "billing-and-warehouse-share-this"}
+
+    def broker(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "broker.cli", "definitions", *args], capture_output=True,
+                              text=True, env=environment, cwd=tmp_path, timeout=60)
+
+    (tmp_path / "catalog.yaml").write_text(written.replace("queue: warehouse_queue", "queue: warehous"))
+    refused = broker("apply", "catalog.yaml")
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == _line_starting("`broker: catalog.yaml:").strip("`;")
+    (tmp_path / "catalog.yaml").write_text(written)
+    applied = broker("apply", "catalog.yaml")
+    assert applied.returncode == 0, applied.stderr
+    assert broker("export").stdout == written

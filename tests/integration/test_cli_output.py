@@ -19,7 +19,7 @@ def _run(*args: str, database_url: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("command", [["status"], ["diagnose"], ["migrate"], ["keys", "list"],
-                                     ["serve", "--no-relay"]])
+                                     ["serve", "--no-relay"], ["definitions", "export"]])
 def test_a_database_that_does_not_answer_is_one_line_without_its_password(command):
     unreachable = f"postgresql://broker:{PASSWORD}@127.0.0.1:{free_port()}/broker"
     result = _run(*command, *(["--port", str(free_port())] if command[0] == "serve" else []),

@@ -312,6 +312,25 @@ END $$;
 COMMENT ON FUNCTION broker.create_service(text, text, text[]) IS
     'Creates a service on a queue, accepting the given contracts as a target.';
 
+-- Conversations already begun go on under their contract whatever the
+-- service accepts from then on: a target checks its contracts only when a
+-- conversation begins.
+CREATE OR REPLACE FUNCTION broker.alter_service(name text, contracts text[]) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    s broker.services := broker._service(name);
+    contract_name text;
+BEGIN
+    DELETE FROM broker.service_contracts WHERE service_id = s.service_id;
+    FOREACH contract_name IN ARRAY broker._require('contracts', contracts) LOOP
+        INSERT INTO broker.service_contracts (service_id, contract_id)
+        VALUES (s.service_id, broker._contract_id(contract_name))
+        ON CONFLICT DO NOTHING;
+    END LOOP;
+END $$;
+COMMENT ON FUNCTION broker.alter_service(text, text[]) IS
+    'Sets the contracts a service accepts as a target, for conversations that begin from now on.';
+
 CREATE OR REPLACE FUNCTION broker.drop_service(name text) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
