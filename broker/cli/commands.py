@@ -148,17 +148,21 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on"),
     port: int = typer.Option(8080, min=1, max=65535, help="port to listen on"),
     relay: bool = typer.Option(True, help="run the relay in this process"),
+    activation: bool = typer.Option(True, help="call the queues' activated procedures in this process "
+                                               "(broker.set_queue_activation)"),
     migrate: bool = typer.Option(True, help="apply the migrations first"),
     tls_cert: Path = typer.Option(None, exists=True, dir_okay=False, help="serve HTTPS with this certificate (PEM)"),
     tls_key: Path = typer.Option(None, exists=True, dir_okay=False, help="the certificate's private key (PEM)"),
 ) -> None:
-    """Run a node: the HTTP API and transport endpoint, and the relay (embedded PostgreSQL unless configured)."""
+    """Run a node: the HTTP API and transport endpoint, the relay and the queues' activated procedures (embedded
+    PostgreSQL unless configured)."""
     import threading
 
     import uvicorn
 
     from api import connections
     from api.main import create_app
+    from broker.activator import Activator
 
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("give --tls-cert and --tls-key together")
@@ -173,8 +177,11 @@ def serve(
             migrations.upgrade(url)
         stop = threading.Event()
         relaying = threading.Thread(target=_relay(url, settings).run, args=(stop,), name="relay", daemon=True)
+        activating = threading.Thread(target=Activator(url).run, args=(stop,), name="activation", daemon=True)
         if relay:
             relaying.start()
+        if activation:
+            activating.start()
         scheme = "https" if tls_cert else "http"
         console.print(f"node listening on {scheme}://{host}:{port}" + (" with its relay" if relay else ""))
         try:
@@ -188,6 +195,8 @@ def serve(
             stop.set()
             if relay:
                 relaying.join(timeout=10)
+            if activation:
+                activating.join(timeout=10)
 
 
 def _trace(settings: Settings, command: str, node: str) -> None:
