@@ -331,8 +331,9 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
            conversation: UUID = typer.Option(None, metavar="HANDLE",
                                              help="show one conversation side's messages on this node instead")
            ) -> None:
-    """Show queues, conversations by state, the transmission queue by destination, ingests and dead letters; or,
-    with --conversation, one conversation side: what it sent and received, and why each message here waits."""
+    """Show queues, their activation, conversations by state, the transmission queue by destination, ingests and
+    dead letters; or, with --conversation, one conversation side: what it sent and received, and why each message
+    here waits."""
     import json
 
     from rich.table import Table
@@ -355,6 +356,14 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
     for q in report["queues"]:
         add_cells(queues, q["queue_name"], q["status"], f"{q['depth']:,}", age(q["oldest_message_age_s"]),
                           str(q["readers"]), str(q["dead_letters"]))
+    activation = Table("queue", "procedure", "status", "readers", "execute as", "activations", "failures",
+                       "last failure", title="Activation", title_justify="left")
+    for a in report["activation"]:
+        last_failure = (f"{a['last_failure_at']:%Y-%m-%d %H:%M:%S} {a['last_failure']}" if a["last_failure"]
+                        else "")
+        add_cells(activation, a["queue_name"], a["procedure_name"], a["status"],
+                  f"{a['readers']} of {a['max_queue_readers']}", a["execute_as"], f"{a['activations']:,}",
+                  f"{a['failures']:,}", last_failure)
     conversations = Table("service", "state", "endpoints", "without lifetime", "oldest",
                           title="Conversation endpoints", title_justify="left")
     for c in report["conversations"]:
@@ -380,7 +389,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
     for m in report["lost_messages"]:
         add_cells(lost, str(m["conversation_handle"] or m["conversation_id"]), m["far_service"],
                         f"{m['found_at']:%Y-%m-%d %H:%M:%S}", m["explanation"])
-    for table in (queues, conversations, transmission, ingests, dead, lost):
+    for table in (queues, activation, conversations, transmission, ingests, dead, lost):
         if table.row_count:
             console.print(table)
         else:

@@ -1,13 +1,18 @@
 """Internal activation: a queue's procedure declared in SQL (broker.set_queue_activation) and called by a real
 `broker serve` process while the queue has messages."""
+import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import text
 
 import broker
-from broker import queries
+from broker import api_keys, queries
 from broker.schema import execute_script
 from tests.nodes import Node, wait_for
 
@@ -179,8 +184,30 @@ def test_a_procedure_that_raises_rolls_back_and_its_message_ends_in_the_dead_let
     wait_for(lambda: _done(node) == ["another conversation"], 10, "the other conversation's job done")
     assert node.scalar("SELECT string_agg(convert_from(body, 'UTF8'), ',' ORDER BY message_sequence_number)"
                        " FROM broker.dead_letters") == "fail me,then me"
-    status = wait_for(lambda: (s := _status(node)).failures >= 2 and s, 5, "the failures recorded")
+    status = wait_for(lambda: (s := _status(node)).failures >= 2 and s.activations >= 1 and s, 5,
+                      "the calls recorded")
     assert status.last_failure == "cannot do job fail me"
+    _shown(node, status)
+
+
+def _shown(node: Node, status) -> None:
+    """broker status, /metrics and the console's /v1/status show the queue's activation as the view has it."""
+    tables = subprocess.run([sys.executable, "-m", "broker.cli", "status"], capture_output=True, text=True,
+                            env={**os.environ, "BROKER_DATABASE_URL": node.database_url, "COLUMNS": "250"},
+                            timeout=60)
+    assert tables.returncode == 0, tables.stderr
+    assert re.search(r"job_queue .* public\.do_jobs .* on .* 0 of 1 .* worker .* "
+                     rf"{status.activations} .* {status.failures} .* cannot do job fail me", tables.stdout), tables.stdout
+    with node.engine.begin() as c:
+        key = api_keys.create(c, "activation", ["admin"])
+    headers = {"Authorization": f"Bearer {key}"}
+    metrics = httpx.get(f"{node.address}/metrics", headers=headers).text
+    assert 'broker_activation_readers{queue="job_queue"} 0.0' in metrics
+    assert f'broker_activations_total{{queue="job_queue"}} {float(status.activations)}' in metrics
+    assert f'broker_activation_failures_total{{queue="job_queue"}} {float(status.failures)}' in metrics
+    [shown] = httpx.get(f"{node.address}/v1/status", headers=headers).json()["activation"]
+    assert (shown["queue_name"], shown["procedure_name"], shown["failures"], shown["last_failure"]) == (
+        "job_queue", "public.do_jobs", status.failures, "cannot do job fail me")
 
 
 def test_disabled_activation_calls_nothing_until_enabled_again(node):

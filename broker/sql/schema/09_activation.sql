@@ -27,4 +27,5 @@ SELECT q.name AS queue_name, a.procedure_name, CASE WHEN a.is_enabled THEN 'on' 
 FROM broker.queue_activation a
 JOIN broker.queues q USING (queue_id);
 
+-- A status view of broker_application (see 07_roles.sql).
 GRANT SELECT ON broker.activation_status TO broker_application;
