@@ -5,7 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench import cross_node, local, rabbitmq, rest, soak, spark_ingest
+from bench import activation, cross_node, local, rabbitmq, rest, soak, spark_ingest
 from bench.charts import write_charts
 from bench.databases import BenchServer, bench_server, run_sql
 from bench.nodes import TwoNodes
@@ -28,12 +28,15 @@ class Sizes:
     scale_points: tuple[int, ...]
     scale_messages: int
     backlog: int
+    activation: int
 
 
 FULL = Sizes(send=50_000, receive=20_000, transfer=50_000, latency_s=15, rest_per_client=500, rabbitmq=50_000,
-             spark=200_000, scale_points=(1, 100, 10_000, 100_000), scale_messages=50_000, backlog=1_000_000)
+             spark=200_000, scale_points=(1, 100, 10_000, 100_000), scale_messages=50_000, backlog=1_000_000,
+             activation=20_000)
 QUICK = Sizes(send=5_000, receive=3_000, transfer=5_000, latency_s=3, rest_per_client=50, rabbitmq=5_000,
-              spark=20_000, scale_points=(1, 100, 1_000, 10_000), scale_messages=5_000, backlog=50_000)
+              spark=20_000, scale_points=(1, 100, 1_000, 10_000), scale_messages=5_000, backlog=50_000,
+              activation=3_000)
 
 
 def _environment(database_url: str) -> dict:
@@ -57,6 +60,7 @@ def _scenarios(server: BenchServer, output: Path, sizes: Sizes, repetitions: int
         results.append(cross_node.latency(nodes, 1_000, sizes.latency_s, repetitions, report))
         results.append(cross_node.traced(nodes, 1_000, sizes.transfer, repetitions, report))
         results.append(cross_node.resend_window(nodes, 1_000, sizes.transfer, repetitions, report))
+    results.append(activation.run(server, log, sizes.activation, repetitions, report))
     results.append(rest.run(server, log, 4, sizes.rest_per_client, report))
     peer = rabbitmq.run(sizes.rabbitmq, repetitions, report)
     if peer.measured:

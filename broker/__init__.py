@@ -20,6 +20,7 @@ from broker.core import (
     drop_contract,
     drop_message_type,
     drop_queue,
+    drop_queue_activation,
     drop_route,
     drop_service,
     end_conversation,
@@ -39,9 +40,11 @@ from broker.core import (
     send_numbered,
     send_numbered_batch,
     set_conversation_group_state,
+    set_queue_activation,
     switch_peer_secret,
 )
 from broker.errors import (
+    ActivationRefused,
     AlreadyExists,
     BrokerError,
     CheckpointMoved,
@@ -58,14 +61,14 @@ from broker.errors import (
 )
 
 __all__ = [
-    "AlreadyExists", "BrokerError", "CheckpointMoved", "ConversationClosed", "InUse", "InvalidArgument", "LockLost",
+    "ActivationRefused", "AlreadyExists", "BrokerError", "CheckpointMoved", "ConversationClosed", "InUse", "InvalidArgument", "LockLost",
     "LockedMessage", "MessageTooLarge", "NotAllowed", "QueueDisabled", "ReceivedMessage", "SequenceConflict",
     "UnknownObject", "ValidationFailed", "abandon_lock", "add_peer_secret", "alter_queue", "alter_service", "begin_conversation_timer", "begin_dialog",
     "complete_lock", "create_broker_priority", "create_contract", "create_message_type", "create_queue",
     "create_route", "create_service", "dead_letter_conversation", "drop_broker_priority", "drop_contract",
-    "drop_message_type", "drop_queue", "drop_route", "drop_service",
+    "drop_message_type", "drop_queue", "drop_queue_activation", "drop_route", "drop_service",
     "end_conversation", "get_conversation_group", "get_conversation_group_state", "move_conversation",
     "purge_dead_letters", "purge_queue", "receive", "receive_with_lock", "renew_lock", "report_processing_failure",
     "resubmit_dead_letters", "retire_peer_secret", "send", "send_batch", "send_numbered", "send_numbered_batch",
-    "set_conversation_group_state", "switch_peer_secret",
+    "set_conversation_group_state", "set_queue_activation", "switch_peer_secret",
 ]

@@ -118,6 +118,19 @@ def drop_queue(executor: Executor, name: str) -> None:
     _call(executor, queries.DROP_QUEUE, name=name)
 
 
+def set_queue_activation(executor: Executor, queue: str, procedure_name: str | None = None, *,
+                         max_queue_readers: int | None = None, enabled: bool | None = None,
+                         execute_as: str | None = None) -> None:
+    """Declares the procedure the running nodes call while the queue has messages (broker.set_queue_activation);
+    None leaves a setting as it is."""
+    _call(executor, queries.SET_QUEUE_ACTIVATION, queue=queue, procedure_name=procedure_name,
+          max_queue_readers=max_queue_readers, status=enabled, execute_as=execute_as)
+
+
+def drop_queue_activation(executor: Executor, queue: str) -> None:
+    _call(executor, queries.DROP_QUEUE_ACTIVATION, queue=queue)
+
+
 def create_service(executor: Executor, name: str, queue: str, contracts: list[str] | tuple[str, ...] = ()) -> None:
     _call(executor, queries.CREATE_SERVICE,
           name=name, queue=queue, contracts=list(contracts))

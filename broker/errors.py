@@ -95,6 +95,13 @@ class CheckpointMoved(BrokerError):
     sqlstates = ("BR070",)
 
 
+class ActivationRefused(BrokerError):
+    """A queue activation whose procedure is not a PROCEDURE taking the queue's name, or whose role may not run
+    it (unknown, a superuser, or without EXECUTE on it or on broker.receive)."""
+
+    sqlstates = ("BR080", "BR081")
+
+
 def _descendants(cls: type[BrokerError]) -> list[type[BrokerError]]:
     return [d for sub in cls.__subclasses__() for d in (sub, *_descendants(sub))]
 

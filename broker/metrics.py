@@ -1,7 +1,7 @@
 """Prometheus metrics: counters kept by the relay and the REST API in this process, and gauges read
 from the database at each scrape."""
 from prometheus_client import Counter, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
@@ -21,7 +21,7 @@ API_COMPLETED = Counter("broker_api_messages_completed", "Messages consumed by c
 API_ABANDONED = Counter("broker_api_locks_abandoned", "Locks abandoned by REST readers", ["queue"])
 
 class DatabaseCollector(Collector):
-    """Queue depths and ages, and the transmission queue per destination, read at scrape time."""
+    """Queue depths and ages, activation, and the transmission queue per destination, read at scrape time."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -38,13 +38,26 @@ class DatabaseCollector(Collector):
         waiting_age = GaugeMetricFamily("broker_transmission_queue_oldest_age_seconds",
                                         "Age of the oldest unacknowledged message per destination",
                                         labels=["destination"])
+        activation_readers = GaugeMetricFamily("broker_activation_readers",
+                                               "Readers calling a queue's activated procedure now, all nodes",
+                                               labels=["queue"])
+        activations = CounterMetricFamily("broker_activations", "Calls of a queue's activated procedure that "
+                                          "committed, all nodes (recorded about once a second)", labels=["queue"])
+        activation_failures = CounterMetricFamily("broker_activation_failures",
+                                                  "Calls of a queue's activated procedure that rolled back, all nodes",
+                                                  labels=["queue"])
         with self.engine.connect() as connection:
             for row in queries.queue_statuses(connection):
                 depth.add_metric([row.queue_name], row.depth)
                 oldest.add_metric([row.queue_name], row.oldest_message_age_s or 0.0)
                 dead.add_metric([row.queue_name], row.dead_letters)
                 readers.add_metric([row.queue_name], row.readers)
+            for row in queries.activation_statuses(connection):
+                activation_readers.add_metric([row.queue_name], row.readers)
+                activations.add_metric([row.queue_name], row.activations)
+                activation_failures.add_metric([row.queue_name], row.failures)
             for row in queries.transmission_by_destination(connection):
                 waiting.add_metric([row.destination], row.messages)
                 waiting_age.add_metric([row.destination], row.oldest_message_age_s)
-        yield from (depth, oldest, dead, readers, waiting, waiting_age)
+        yield from (depth, oldest, dead, readers, activation_readers, activations, activation_failures, waiting,
+                    waiting_age)

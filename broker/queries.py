@@ -471,6 +471,9 @@ DROP_CONTRACT = text("SELECT broker.drop_contract(:name)")
 CREATE_QUEUE = text("SELECT broker.create_queue(:name, :enabled, :retention, :threshold)")
 ALTER_QUEUE = text("SELECT broker.alter_queue(:name, :enabled, :retention, :threshold)")
 DROP_QUEUE = text("SELECT broker.drop_queue(:name)")
+SET_QUEUE_ACTIVATION = text(
+    "SELECT broker.set_queue_activation(:queue, :procedure_name, :max_queue_readers, :status, :execute_as)")
+DROP_QUEUE_ACTIVATION = text("SELECT broker.drop_queue_activation(:queue)")
 CREATE_SERVICE = text("SELECT broker.create_service(:name, :queue, CAST(:contracts AS text[]))")
 ALTER_SERVICE = text("SELECT broker.alter_service(:name, CAST(:contracts AS text[]))")
 DROP_SERVICE = text("SELECT broker.drop_service(:name)")
@@ -567,6 +570,30 @@ ACCEPT_BATCH = text("SELECT broker.accept_transport_batch(:instance)::text")
 FIRE_DUE_EVENTS = text("SELECT broker.fire_due_events()")
 COUNT_UNREPORTED_ROLLBACKS = text("SELECT broker.count_unreported_rollbacks()")
 LISTEN_FOR_TRANSMISSIONS = "LISTEN broker_transmission_queue"
+
+
+# --- Internal activation (broker.activator) -------------------------------------------------------
+
+ACTIVATED_QUEUES = text("SELECT queue_name, max_queue_readers, messages_waiting FROM broker.activated_queues()")
+TAKE_ACTIVATION_SLOT = text("SELECT broker.take_activation_slot(:queue)")
+ACTIVATE = text("SELECT broker.activate(:queue, :slot)")
+# What a node's readers did since it last said, added to the queue's totals.
+RECORD_ACTIVATIONS = text("""
+    UPDATE broker.queue_activation a
+    SET activations = a.activations + :activations, failures = a.failures + :failures,
+        last_failure = coalesce(:last_failure, a.last_failure),
+        last_failure_at = CASE WHEN :last_failure IS NULL THEN a.last_failure_at ELSE now() END
+    FROM broker.queues q
+    WHERE q.queue_id = a.queue_id AND q.name = :queue
+""")
+ACTIVATION_STATUS = text(
+    "SELECT queue_name, procedure_name, status, max_queue_readers, execute_as, readers, activations, failures,"
+    " last_failure, last_failure_at FROM broker.activation_status ORDER BY queue_name")
+
+
+def activation_statuses(connection: Connection) -> list[Row]:
+    """broker.activation_status: each queue's activation, its readers now and what its calls did."""
+    return connection.execute(ACTIVATION_STATUS).all()
 
 
 # --- The REST API (api) ---------------------------------------------------------------------------

@@ -46,6 +46,21 @@ CONSOLE_HEADERS = {
 }
 
 
+class Activation(BaseModel):
+    """A queue's activated procedure (broker.activation_status): its readers now, and what its calls did."""
+
+    queue_name: str
+    procedure_name: str
+    status: Literal["on", "off"]
+    max_queue_readers: int
+    execute_as: str
+    readers: int
+    activations: int
+    failures: int
+    last_failure: str | None
+    last_failure_at: datetime | None
+
+
 class EndpointCount(BaseModel):
     """The conversation endpoints of a service in one state."""
 
@@ -112,6 +127,7 @@ class RelayTotals(BaseModel):
 
 class NodeStatus(BaseModel):
     queues: list[QueueStatus]
+    activation: list[Activation]
     conversations: list[EndpointCount]
     transmission_queue: list[Backlog]
     ingests: list[Ingest]
@@ -126,7 +142,7 @@ def _total(counter: Counter) -> float:
 
 
 @router.get("/v1/status", tags=["catalog"], responses=error_responses(*KEYED),
-            dependencies=[Depends(known_query_parameters)], summary="What the node is doing: queues, endpoints, transmission queue, ingests, dead letters, lost messages, relay")
+            dependencies=[Depends(known_query_parameters)], summary="What the node is doing: queues, activation, endpoints, transmission queue, ingests, dead letters, lost messages, relay")
 async def get_status(key: AdminKey, db: Database) -> NodeStatus:
     def read() -> dict[str, Any]:
         with db.connect() as connection:

@@ -148,17 +148,21 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on"),
     port: int = typer.Option(8080, min=1, max=65535, help="port to listen on"),
     relay: bool = typer.Option(True, help="run the relay in this process"),
+    activation: bool = typer.Option(True, help="call the queues' activated procedures in this process "
+                                               "(broker.set_queue_activation)"),
     migrate: bool = typer.Option(True, help="apply the migrations first"),
     tls_cert: Path = typer.Option(None, exists=True, dir_okay=False, help="serve HTTPS with this certificate (PEM)"),
     tls_key: Path = typer.Option(None, exists=True, dir_okay=False, help="the certificate's private key (PEM)"),
 ) -> None:
-    """Run a node: the HTTP API and transport endpoint, and the relay (embedded PostgreSQL unless configured)."""
+    """Run a node: the HTTP API and transport endpoint, the relay and the queues' activated procedures (embedded
+    PostgreSQL unless configured)."""
     import threading
 
     import uvicorn
 
     from api import connections
     from api.main import create_app
+    from broker.activator import Activator
 
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("give --tls-cert and --tls-key together")
@@ -173,8 +177,11 @@ def serve(
             migrations.upgrade(url)
         stop = threading.Event()
         relaying = threading.Thread(target=_relay(url, settings).run, args=(stop,), name="relay", daemon=True)
+        activating = threading.Thread(target=Activator(url).run, args=(stop,), name="activation", daemon=True)
         if relay:
             relaying.start()
+        if activation:
+            activating.start()
         scheme = "https" if tls_cert else "http"
         console.print(f"node listening on {scheme}://{host}:{port}" + (" with its relay" if relay else ""))
         try:
@@ -188,6 +195,8 @@ def serve(
             stop.set()
             if relay:
                 relaying.join(timeout=10)
+            if activation:
+                activating.join(timeout=10)
 
 
 def _trace(settings: Settings, command: str, node: str) -> None:
@@ -391,8 +400,9 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
            conversation: UUID = typer.Option(None, metavar="HANDLE",
                                              help="show one conversation side's messages on this node instead")
            ) -> None:
-    """Show queues, conversations by state, the transmission queue by destination, ingests and dead letters; or,
-    with --conversation, one conversation side: what it sent and received, and why each message here waits."""
+    """Show queues, their activation, conversations by state, the transmission queue by destination, ingests and
+    dead letters; or, with --conversation, one conversation side: what it sent and received, and why each message
+    here waits."""
     import json
 
     from rich.table import Table
@@ -415,6 +425,14 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
     for q in report["queues"]:
         add_cells(queues, q["queue_name"], q["status"], f"{q['depth']:,}", age(q["oldest_message_age_s"]),
                           str(q["readers"]), str(q["dead_letters"]))
+    activation = Table("queue", "procedure", "status", "readers", "execute as", "activations", "failures",
+                       "last failure", title="Activation", title_justify="left")
+    for a in report["activation"]:
+        last_failure = (f"{a['last_failure_at']:%Y-%m-%d %H:%M:%S} {a['last_failure']}" if a["last_failure"]
+                        else "")
+        add_cells(activation, a["queue_name"], a["procedure_name"], a["status"],
+                  f"{a['readers']} of {a['max_queue_readers']}", a["execute_as"], f"{a['activations']:,}",
+                  f"{a['failures']:,}", last_failure)
     conversations = Table("service", "state", "endpoints", "without lifetime", "oldest",
                           title="Conversation endpoints", title_justify="left")
     for c in report["conversations"]:
@@ -440,7 +458,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
     for m in report["lost_messages"]:
         add_cells(lost, str(m["conversation_handle"] or m["conversation_id"]), m["far_service"],
                         f"{m['found_at']:%Y-%m-%d %H:%M:%S}", m["explanation"])
-    for table in (queues, conversations, transmission, ingests, dead, lost):
+    for table in (queues, activation, conversations, transmission, ingests, dead, lost):
         if table.row_count:
             console.print(table)
         else:

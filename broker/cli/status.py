@@ -9,10 +9,11 @@ from broker import queries
 
 
 def node_status(connection: Connection, dead_letters: int = 20) -> dict[str, list[dict[str, Any]]]:
-    """Queues, conversations by service and state, the transmission queue by destination,
+    """Queues, their activation, conversations by service and state, the transmission queue by destination,
     ingests, the latest dead letters, and what a database that went back lost."""
     return {
         "queues": queries.as_dicts(queries.queue_statuses(connection)),
+        "activation": queries.as_dicts(queries.activation_statuses(connection)),
         "conversations": queries.as_dicts(queries.conversation_counts(connection)),
         "transmission_queue": queries.as_dicts(queries.transmission_by_destination(connection)),
         "ingests": queries.as_dicts(queries.ingests(connection)),

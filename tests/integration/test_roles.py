@@ -30,7 +30,7 @@ ENTRY_POINTS = {"begin_dialog", "send", "send_numbered", "send_numbered_batch", 
                 "end_conversation", "begin_conversation_timer", "report_processing_failure",
                 "get_conversation_group_state", "set_conversation_group_state", "dead_letter_conversation"}
 SEARCH_PATH = ["search_path=broker, pg_catalog, pg_temp"]
-STATUS_VIEWS = {"queue_status", "conversation_endpoints", "transmission_queue_status"}
+STATUS_VIEWS = {"queue_status", "conversation_endpoints", "transmission_queue_status", "activation_status"}
 TRANSPORT_FUNCTIONS = {"transport_batch", "apply_transport_results", "record_transport_failure",
                        "accept_transport_batch", "forget_closed_endpoints", "forget_acknowledged_messages",
                        "withhold_what_peers_forgot", "fire_due_events", "count_unreported_rollbacks"}

@@ -22,6 +22,8 @@
 --   BR051 message too large        BR041 object still in use
 --   BR060 lock lost: expired, completed, abandoned, or never issued
 --   BR070 the ingest checkpoint is not where the run started (another run moved it)
+--   BR080 no activation procedure of that name taking the queue's name
+--   BR081 the activation's role may not run it (unknown, a superuser, or lacks EXECUTE)
 
 ------------------------------------------------------------------------------
 -- Internal helpers

@@ -1,7 +1,7 @@
 -- Least-privilege roles.
 --
 --   broker_application  the conversation functions an application calls and
---                       three status views: no tables, no catalog, no transport
+--                       the status views: no tables, no catalog, no transport
 --   broker_relay        what the relay and the transport endpoint use: the
 --                       transport functions and the tables they work on
 --   broker_admin        everything in the schema (what `broker serve` needs)

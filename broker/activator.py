@@ -1,0 +1,186 @@
+"""Internal activation: a running node calls each activated queue's procedure while the queue has messages.
+
+broker.set_queue_activation declares the procedure (broker/sql/functions/17_activation.sql).  The supervisor
+looks at the activated queues when a message arrives (LISTEN broker_queue) and every POLL_S besides.  For a queue
+with messages waiting and no reader in this process, it starts one at once; while messages still wait and no
+reader found nothing to take for GROW_AFTER_S, it starts another, up to max_queue_readers.
+
+A reader is a thread with a connection of its own that holds one of the queue's reader slots (the readers of all
+nodes on the database together hold at most max_queue_readers) and calls broker.activate, each call in a
+transaction of its own: committed when the procedure returns, rolled back when it raises.  A rollback is counted
+against the message it left by broker.count_unreported_rollbacks, as any reader's is; the reader pauses
+FAILURE_PAUSE_S after one, so that the count can lock the message's group.  A reader stops once a call finds no
+conversation group with messages that no other reader holds, and its connection closes with it.
+
+What the calls did (committed, rolled back, the last failure) is added to broker.queue_activation every
+RECORD_EVERY_S, for `broker status`, /metrics and the console.
+"""
+import logging
+import select
+import threading
+import time
+from dataclasses import dataclass
+
+import psycopg2
+from sqlalchemy import create_engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
+
+from broker import queries
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+SUPERVISE_AT_MOST_EVERY_S = 0.05  # a burst of arrivals wakes the supervisor once, not once a message
+GROW_AFTER_S = 0.5
+FAILURE_PAUSE_S = 1.0
+RECORD_EVERY_S = 1.0
+LAST_FAILURE_CHARS = 1000
+
+
+@dataclass
+class Tally:
+    """Calls of a queue's procedure since they were last recorded."""
+    activations: int = 0
+    failures: int = 0
+    last_failure: str | None = None
+
+
+class Activator:
+    def __init__(self, database_url: str):
+        self.database_url = database_url
+        self.engine = create_engine(database_url, poolclass=NullPool)  # a reader's connection closes with it
+        self.lock = threading.Lock()
+        self.readers: dict[str, list[threading.Thread]] = {}
+        # Per queue: when a reader last started, or last found nothing to take (or ended).
+        self.settled_at: dict[str, float] = {}
+        self.tallies: dict[str, Tally] = {}
+        self.arrived = threading.Event()
+
+    def run(self, stop: threading.Event) -> None:
+        """Supervises the activated queues until stop is set, then waits for the readers' calls in progress."""
+        listener = threading.Thread(target=self._listen, args=(stop,), name="activation listener", daemon=True)
+        listener.start()
+        recorded_at = time.monotonic()
+        while not stop.is_set():
+            self.arrived.wait(POLL_S)
+            self.arrived.clear()
+            if stop.is_set():
+                break
+            try:
+                self._supervise(stop)
+            except DBAPIError as error:
+                log.warning("cannot look at the activated queues (%s); retrying in a second",
+                            str(error.orig).splitlines()[0])
+                stop.wait(1)
+            if time.monotonic() - recorded_at >= RECORD_EVERY_S:
+                self._record()
+                recorded_at = time.monotonic()
+            stop.wait(SUPERVISE_AT_MOST_EVERY_S)
+        listener.join()
+        for threads in list(self.readers.values()):
+            for thread in threads:
+                thread.join()
+        self._record()
+        self.engine.dispose()
+
+    def _supervise(self, stop: threading.Event) -> None:
+        with self.engine.connect() as connection:
+            queues = connection.execute(queries.ACTIVATED_QUEUES).all()
+        now = time.monotonic()
+        with self.lock:
+            for queue in queues:
+                running = [thread for thread in self.readers.get(queue.queue_name, ()) if thread.is_alive()]
+                self.readers[queue.queue_name] = running
+                if not queue.messages_waiting or len(running) >= queue.max_queue_readers:
+                    continue
+                if running and now - self.settled_at.get(queue.queue_name, 0.0) < GROW_AFTER_S:
+                    continue
+                reader = threading.Thread(target=self._read, args=(queue.queue_name, stop),
+                                          name=f"activation {queue.queue_name} {len(running)}", daemon=True)
+                running.append(reader)
+                self.settled_at[queue.queue_name] = now
+                reader.start()
+
+    def _read(self, queue: str, stop: threading.Event) -> None:
+        """Calls the queue's procedure until a call finds nothing to take, holding a reader slot meanwhile."""
+        try:
+            with self.engine.connect() as connection:
+                slot = connection.execute(queries.TAKE_ACTIVATION_SLOT, {"queue": queue}).scalar()
+                connection.commit()
+                while slot is not None and not stop.is_set():
+                    try:
+                        called = connection.execute(queries.ACTIVATE, {"queue": queue, "slot": slot}).scalar_one()
+                        connection.commit()
+                    except DBAPIError as error:
+                        connection.rollback()
+                        if error.connection_invalidated:
+                            raise
+                        self._failed(queue, error)
+                        stop.wait(FAILURE_PAUSE_S)
+                        continue
+                    if not called:
+                        break
+                    self._succeeded(queue)
+        except DBAPIError as error:
+            log.warning("a reader of queue %s stopped (%s)", queue, str(error.orig).splitlines()[0])
+        finally:
+            with self.lock:
+                self.settled_at[queue] = time.monotonic()
+
+    def _failed(self, queue: str, error: DBAPIError) -> None:
+        diagnostics = getattr(error.orig, "diag", None)
+        reason = (diagnostics.message_primary if diagnostics and diagnostics.message_primary
+                  else str(error.orig).splitlines()[0])[:LAST_FAILURE_CHARS]
+        log.warning("the activated procedure of queue %s failed and was rolled back: %s", queue, reason)
+        with self.lock:
+            tally = self.tallies.setdefault(queue, Tally())
+            tally.failures += 1
+            tally.last_failure = reason
+
+    def _succeeded(self, queue: str) -> None:
+        with self.lock:
+            self.tallies.setdefault(queue, Tally()).activations += 1
+
+    def _record(self) -> None:
+        """Adds what the calls did since the last time to the queues' totals; kept for the next time when the
+        database does not answer."""
+        with self.lock:
+            tallies, self.tallies = self.tallies, {}
+        try:
+            with self.engine.begin() as connection:
+                for queue, tally in tallies.items():
+                    connection.execute(queries.RECORD_ACTIVATIONS, {
+                        "queue": queue, "activations": tally.activations, "failures": tally.failures,
+                        "last_failure": tally.last_failure})
+        except DBAPIError as error:
+            log.warning("cannot record the activations (%s)", str(error.orig).splitlines()[0])
+            with self.lock:
+                for queue, tally in tallies.items():
+                    kept = self.tallies.setdefault(queue, Tally())
+                    kept.activations += tally.activations
+                    kept.failures += tally.failures
+                    kept.last_failure = kept.last_failure or tally.last_failure
+
+    def _listen(self, stop: threading.Event) -> None:
+        """Wakes the supervisor whenever a message arrives in any queue; a database that goes away is waited for."""
+        while not stop.is_set():
+            listener = None
+            try:
+                listener = psycopg2.connect(self.database_url)
+                listener.autocommit = True
+                listener.cursor().execute(queries.LISTEN_FOR_ARRIVALS)
+                self.arrived.set()
+                while not stop.is_set():
+                    if select.select([listener], [], [], POLL_S)[0]:
+                        listener.poll()
+                        if listener.notifies:
+                            listener.notifies.clear()
+                            self.arrived.set()
+            except psycopg2.Error as error:
+                log.warning("cannot listen for arrivals (%s); retrying in a second", str(error).splitlines()[0])
+                stop.wait(1)
+            finally:
+                if listener is not None:
+                    listener.close()
+        self.arrived.set()
