@@ -21,7 +21,8 @@ API_COMPLETED = Counter("broker_api_messages_completed", "Messages consumed by c
 API_ABANDONED = Counter("broker_api_locks_abandoned", "Locks abandoned by REST readers", ["queue"])
 
 class DatabaseCollector(Collector):
-    """Queue depths and ages, and the transmission queue per destination, read at scrape time."""
+    """Queue depths and ages, the transmission queue per destination, and the Spark ingests' lag, read at scrape
+    time."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -38,6 +39,12 @@ class DatabaseCollector(Collector):
         waiting_age = GaugeMetricFamily("broker_transmission_queue_oldest_age_seconds",
                                         "Age of the oldest unacknowledged message per destination",
                                         labels=["destination"])
+        ingest_lag = GaugeMetricFamily("broker_ingest_lag_messages",
+                                       "Messages above a Spark ingest's checkpoint, waiting for a run",
+                                       labels=["queue", "output"])
+        ingest_lag_age = GaugeMetricFamily("broker_ingest_lag_seconds",
+                                           "Age of the oldest message waiting for a Spark ingest's run (0 when none)",
+                                           labels=["queue", "output"])
         with self.engine.connect() as connection:
             for row in queries.queue_statuses(connection):
                 depth.add_metric([row.queue_name], row.depth)
@@ -47,4 +54,7 @@ class DatabaseCollector(Collector):
             for row in queries.transmission_by_destination(connection):
                 waiting.add_metric([row.destination], row.messages)
                 waiting_age.add_metric([row.destination], row.oldest_message_age_s)
-        yield from (depth, oldest, dead, readers, waiting, waiting_age)
+            for row in queries.ingests(connection):
+                ingest_lag.add_metric([row.queue_name, row.output], row.lag_messages)
+                ingest_lag_age.add_metric([row.queue_name, row.output], row.lag_s)
+        yield from (depth, oldest, dead, readers, waiting, waiting_age, ingest_lag, ingest_lag_age)
