@@ -83,24 +83,25 @@ class QueueWatch:
         return checkpoints.lag(self._session, self._queue, self._output)
 
     def wait(self, timeout_s: float, wakeup: int) -> None:
-        """Until a notification for the queue, timeout_s, or a byte on wakeup."""
+        """Until a notification for the queue, timeout_s, or a byte on wakeup.  Notifications that came in while
+        the session ran a query (the lag after a run) are waiting in its list already, not on its socket."""
         listening = self._session.connection.driver_connection
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
+        while not self._arrived(listening) and (left := deadline - time.monotonic()) > 0:
             readable, _, _ = select.select([wakeup, listening], [], [], left)
             if wakeup in readable:
                 os.read(wakeup, 512)
                 return
-            if readable and self._arrived(listening):
-                return
+            if readable:
+                try:
+                    listening.poll()
+                except psycopg2.Error as error:  # the session broke: the next round opens another and looks
+                    log.warning("stopped listening for arrivals (%s); listening again",
+                                (str(error).strip() or type(error).__name__).splitlines()[0])
+                    self.close()
+                    return
 
     def _arrived(self, listening) -> bool:
-        try:
-            listening.poll()
-        except psycopg2.Error as error:  # the session broke: the next round opens another
-            log.warning("stopped listening for arrivals (%s); looking again now", str(error).strip().splitlines()[0])
-            self.close()
-            return True
         arrived = any(notice.payload == self._queue_id for notice in listening.notifies)
         listening.notifies.clear()
         return arrived
