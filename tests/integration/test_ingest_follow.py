@@ -116,10 +116,9 @@ def test_sigterm_during_a_run_lets_it_commit_and_a_restart_goes_on_without_dupli
                                                                                         tmp_path):
     url, lake, log = engine.url.render_as_string(hide_password=False), tmp_path / "lake", tmp_path / "follow.log"
     slow = ["--partitions", "16", "--fetch-size", "100"]
+    send_conversations(engine, 600, 5, "a")
     follow = _follow(lake, url, log, *slow)
     try:
-        _wait_for(follow, lambda: _lag(engine, lake) is not None, "its first run", log)
-        send_conversations(engine, 600, 5, "a")
         _wait_for(follow, lambda: _files_under(lake / "_incoming", "*.parquet"), "writing", log)
         follow.send_signal(signal.SIGTERM)
         assert _stopped(follow) == 0, log.read_text()[-3000:]
