@@ -1,4 +1,7 @@
 """An ingest's lag in SQL (broker.ingest_lag): the messages above its checkpoint and the oldest one's age."""
+import os
+import subprocess
+import sys
 import time
 
 from sqlalchemy import text
@@ -23,6 +26,15 @@ def _send(engine, messages: int) -> None:
             broker.send(c, handle, "order.note", f"note {i}".encode())
 
 
+def _status_row(engine) -> list[str]:
+    """The cells of the ingest's row in `broker status`, as a person reads them."""
+    shown = subprocess.run([sys.executable, "-m", "broker.cli", "status"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "BROKER_DATABASE_URL": engine.url.render_as_string(hide_password=False)},
+                           check=True).stdout
+    [row] = [line for line in shown.splitlines() if OUTPUT in line]
+    return [cell.strip() for cell in row.split("│")[1:-1]]
+
+
 def test_the_lag_counts_the_messages_above_the_checkpoint_and_ages_the_oldest(engine, orders):
     _send(engine, 2)
     assert _lag(engine) is None  # no run yet: no checkpoint
@@ -34,6 +46,8 @@ def test_the_lag_counts_the_messages_above_the_checkpoint_and_ages_the_oldest(en
         time.sleep(0.2)
         messages, oldest = _lag(engine)
         assert messages == 2 and 0.2 <= oldest < 30
+        lag, oldest_shown = _status_row(engine)[-2:]
+        assert lag == "2" and oldest_shown.endswith(" s")
 
         with engine.connect() as open_transaction:  # not committed: not waiting for the ingest yet
             broker.send(open_transaction, begin(open_transaction), "order.note", b"uncommitted")
@@ -46,3 +60,4 @@ def test_the_lag_counts_the_messages_above_the_checkpoint_and_ages_the_oldest(en
                     {"queue": WAREHOUSE_QUEUE, "output": OUTPUT, "up_to": up_to, "run": f"0-{up_to}"})
         run.commit()
     assert _lag(engine) == (0, 0.0)
+    assert _status_row(engine)[-2:] == ["0", ""]
