@@ -69,6 +69,7 @@ def _scenarios(server: BenchServer, output: Path, sizes: Sizes, repetitions: int
     results.append(peer)
     spark_database = server.database("ingest")
     results.append(spark_ingest.run(spark_database, sizes.spark, repetitions, report))
+    results.append(spark_ingest.follow(server.database("follow"), sizes.spark // 10, repetitions, report))
     with TwoNodes(server, log) as nodes:
         results.append(cross_node.scale(nodes, list(sizes.scale_points), sizes.scale_messages, sizes.backlog, report))
     return results

@@ -1,5 +1,10 @@
-"""Spark ingest: `broker ingest` of N 1 KB messages against a plain spark.read.jdbc → Parquet of the same rows."""
+"""Spark ingest: `broker ingest` of N 1 KB messages against a plain spark.read.jdbc → Parquet of the same rows; and
+how soon a batch lands with `broker ingest --follow` against a one-shot `broker ingest` started for it."""
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,16 +27,18 @@ SELECT broker.create_queue('bench_ingest_queue');
 SELECT broker.create_service('bench_ingest_sender', 'bench_ingest_source');
 SELECT broker.create_service('bench_ingest_receiver', 'bench_ingest_queue', ARRAY['bench.ingest']);
 """
-SEND_A_CONVERSATION_OF_100 = """
+SEND_A_CONVERSATION = """
 SELECT broker.send(h.handle, 'bench.record', convert_to(lpad(i::text, 1024, 'x'), 'UTF8'))
 FROM (SELECT broker.begin_dialog('bench_ingest_sender', 'bench_ingest_receiver', 'bench.ingest') AS handle) h,
-     generate_series(1, 100) i
+     generate_series(1, :messages) i
 """
 QUEUE_BOUNDS = """
 SELECT min(queue_position), max(queue_position), count(*)
 FROM broker.queue_messages WHERE queue_id = (SELECT queue_id FROM broker.queues WHERE name = :queue)
 """
 FORGET_CHECKPOINTS = "DELETE FROM broker.ingest_checkpoints"
+INGEST_LAG = "SELECT lag_messages FROM broker.ingest_lag() WHERE output = :output"
+BROKER = Path(sys.executable).parent / "broker"
 
 
 def load(engine: Engine, messages: int, report: Callable[[str], None]) -> None:
@@ -39,7 +46,7 @@ def load(engine: Engine, messages: int, report: Callable[[str], None]) -> None:
         connection.exec_driver_sql(DEFINE_CATALOG)
     for sent in range(0, messages, 100):
         with engine.begin() as connection:
-            connection.execute(text(SEND_A_CONVERSATION_OF_100))
+            connection.execute(text(SEND_A_CONVERSATION), {"messages": 100})
         if sent % 20_000 == 0:
             report(f"spark ingest: loading {messages:,} messages, {sent:,} sent")
 
@@ -100,3 +107,74 @@ def _measure(engine: Engine, database_url: str, messages: int, repetitions: int,
                           met=ratio_met(measured, baseline, 0.8),
                           details={"messages": count, "message_bytes": 1024, "master": "local[2]",
                                    "partitions": partitions})
+
+
+def follow(database_url: str, batch: int, repetitions: int, report: Callable[[str], None]) -> ScenarioResult:
+    """A batch of `batch` messages committed in one transaction, then the time until it is in a dataset: of a
+    `broker ingest --follow` already running (woken by the commit, its Spark started), against a one-shot
+    `broker ingest` started at the commit, as a scheduler starts one (Spark's start included)."""
+    engine = create_engine(database_url)
+    folder = Path(tempfile.mkdtemp(prefix="broker-bench-follow-"))
+    environment = {**os.environ, "BROKER_DATABASE_URL": database_url}
+    command = [str(BROKER), "ingest", "--master", "local[2]", "--queue", QUEUE]
+    log = (folder / "follow.log").open("wb")
+    following = None
+    try:
+        load(engine, 0, report)  # the catalog
+        following = subprocess.Popen([*command, "--output", str(folder / "follow"), "--follow"], env=environment,
+                                     stdout=log, stderr=subprocess.STDOUT)
+
+        def waiting() -> int | None:
+            if following.poll() is not None:
+                raise RuntimeError(f"broker ingest --follow ended: see its log {folder / 'follow.log'}")
+            with engine.connect() as connection:
+                return connection.execute(text(INGEST_LAG), {"output": f"file:{folder / 'follow'}"}).scalar()
+
+        def send_batch() -> float:
+            with engine.begin() as connection:
+                connection.execute(text(SEND_A_CONVERSATION), {"messages": batch})
+            return time.monotonic()
+
+        def landed_by_follow() -> float:
+            committed = send_batch()
+            while waiting() != 0:
+                time.sleep(0.01)
+            return batch / (time.monotonic() - committed)
+
+        def landed_by_one_shot() -> float:
+            following.send_signal(signal.SIGSTOP)  # not woken by this batch: the one-shot run has the CPUs
+            try:
+                committed = send_batch()
+                subprocess.run([*command, "--output", str(folder / "one-shot")], env=environment, check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                rate = batch / (time.monotonic() - committed)
+            finally:
+                following.send_signal(signal.SIGCONT)
+            while waiting() != 0:  # the follow takes the batch too, before the next measurement
+                time.sleep(0.01)
+            return rate
+
+        deadline = time.monotonic() + 300
+        while waiting() != 0:  # Spark started and the first (empty) run done
+            if time.monotonic() > deadline:
+                raise RuntimeError("broker ingest --follow did not start within 300 s")
+            time.sleep(0.1)
+        landed_by_follow()  # warm the JDBC driver and the Parquet writer
+        ours, one_shot = [], []
+        for repetition in range(1, repetitions + 1):
+            ours.append(landed_by_follow())
+            one_shot.append(landed_by_one_shot())
+            report(f"spark ingest --follow: repetition {repetition}/{repetitions}: a batch of {batch:,} in the "
+                   f"dataset at {ours[-1]:,.0f} rows/s with --follow, {one_shot[-1]:,.0f} rows/s by a one-shot run")
+    finally:
+        if following is not None:
+            following.send_signal(signal.SIGTERM)  # stops between runs
+            following.wait(timeout=120)
+        log.close()
+        engine.dispose()
+        shutil.rmtree(folder, ignore_errors=True)
+    measured = Measurement("broker ingest --follow", "rows/s", ours)
+    baseline = Measurement("one-shot broker ingest per batch", "rows/s", one_shot)
+    return ScenarioResult("Spark ingest --follow, a batch from commit to dataset", measured, baseline,
+                          target="> baseline", met=ratio_met(measured, baseline, 1.0),
+                          details={"batch_messages": batch, "message_bytes": 1024, "master": "local[2]"})

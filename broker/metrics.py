@@ -21,7 +21,8 @@ API_COMPLETED = Counter("broker_api_messages_completed", "Messages consumed by c
 API_ABANDONED = Counter("broker_api_locks_abandoned", "Locks abandoned by REST readers", ["queue"])
 
 class DatabaseCollector(Collector):
-    """Queue depths and ages, activation, and the transmission queue per destination, read at scrape time."""
+    """Queue depths and ages, activation, the transmission queue per destination, and the Spark ingests' lag, read
+    at scrape time."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -46,6 +47,12 @@ class DatabaseCollector(Collector):
         activation_failures = CounterMetricFamily("broker_activation_failures",
                                                   "Calls of a queue's activated procedure that rolled back, all nodes",
                                                   labels=["queue"])
+        ingest_lag = GaugeMetricFamily("broker_ingest_lag_messages",
+                                       "Messages above a Spark ingest's checkpoint, waiting for a run",
+                                       labels=["queue", "output"])
+        ingest_lag_age = GaugeMetricFamily("broker_ingest_lag_seconds",
+                                           "Age of the oldest message waiting for a Spark ingest's run (0 when none)",
+                                           labels=["queue", "output"])
         with self.engine.connect() as connection:
             for row in queries.queue_statuses(connection):
                 depth.add_metric([row.queue_name], row.depth)
@@ -59,5 +66,8 @@ class DatabaseCollector(Collector):
             for row in queries.transmission_by_destination(connection):
                 waiting.add_metric([row.destination], row.messages)
                 waiting_age.add_metric([row.destination], row.oldest_message_age_s)
+            for row in queries.ingests(connection):
+                ingest_lag.add_metric([row.queue_name, row.output], row.lag_messages)
+                ingest_lag_age.add_metric([row.queue_name, row.output], row.lag_s)
         yield from (depth, oldest, dead, readers, activation_readers, activations, activation_failures, waiting,
-                    waiting_age)
+                    waiting_age, ingest_lag, ingest_lag_age)

@@ -364,9 +364,11 @@ def routed_backlogs(connection: Connection, max_wait_s: float, lanes: int) -> li
 CONVERSATION_COUNTS = text(
     "SELECT service_name, state, endpoints, oldest_created_at, without_lifetime"
     " FROM broker.endpoint_counts ORDER BY service_name, state")
+# Each ingest's checkpoint and how far it is behind its queue (broker.ingest_lag).
 INGESTS = text(
-    "SELECT queue_name, output, queue_position, last_run, rows_ingested, runs, updated_at"
-    " FROM broker.ingests ORDER BY queue_name, output")
+    "SELECT i.queue_name, i.output, i.queue_position, i.last_run, i.rows_ingested, i.runs, i.updated_at,"
+    " l.lag_messages, l.lag_s"
+    " FROM broker.ingests i JOIN broker.ingest_lag() l USING (queue_name, output) ORDER BY queue_name, output")
 LATEST_DEAD_LETTERS = text(
     "SELECT queue_name, conversation_id, message_sequence_number, message_type, reason, dead_lettered_at"
     " FROM broker.dead_letters ORDER BY dead_letter_id DESC LIMIT :limit")
@@ -378,6 +380,7 @@ def conversation_counts(connection: Connection) -> list[Row]:
 
 
 def ingests(connection: Connection) -> list[Row]:
+    """Each ingest's checkpoint, and its lag: the messages above it and the age of the oldest of them."""
     return connection.execute(INGESTS).all()
 
 
@@ -613,6 +616,7 @@ START_INGEST = text("SELECT * FROM broker.start_ingest(:queue, :output)")
 INGEST_PARTITIONS = text("SELECT * FROM broker.ingest_partitions(:queue, :after, :up_to, :count)")
 ADVANCE_INGEST_CHECKPOINT = text(
     "SELECT broker.advance_ingest_checkpoint(:queue, :output, :after, :up_to, :run, :rows, :consume)")
+INGEST_LAG = text("SELECT lag_messages, lag_s FROM broker.ingest_lag() WHERE queue_name = :queue AND output = :output")
 # The session waits while Spark writes: the server's idle_session_timeout must not end it (PostgreSQL 14+).
 NO_IDLE_SESSION_TIMEOUT = text(
     "SELECT set_config(name, '0', false) FROM pg_settings WHERE name = 'idle_session_timeout'")

@@ -44,3 +44,11 @@ def advance(connection: Connection, queue: str, output: str, after: int, up_to: 
         return connection.execute(
             queries.ADVANCE_INGEST_CHECKPOINT, {"queue": queue, "output": output, "after": after, "up_to": up_to, "run": run, "rows": rows,
              "consume": consume}).scalar_one()
+
+
+def lag(connection: Connection, queue: str, output: str) -> tuple[int, float] | None:
+    """The messages above the checkpoint of (queue, output) and the age of the oldest in seconds; None before
+    its first run."""
+    with translated_errors():
+        row = connection.execute(queries.INGEST_LAG, {"queue": queue, "output": output}).one_or_none()
+    return None if row is None else (row.lag_messages, row.lag_s)

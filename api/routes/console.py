@@ -84,6 +84,8 @@ class Backlog(BaseModel):
 
 
 class Ingest(BaseModel):
+    """A Spark ingest's checkpoint, and its lag: the messages above the checkpoint and the oldest one's age."""
+
     queue_name: str
     output: str
     queue_position: int
@@ -91,6 +93,8 @@ class Ingest(BaseModel):
     rows_ingested: int
     runs: int
     updated_at: datetime
+    lag_messages: int
+    lag_s: float
 
 
 class DeadLetter(BaseModel):

@@ -443,11 +443,12 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
     for t in report["transmission_queue"]:
         add_cells(transmission, t["destination"], f"{t['messages']:,}", f"{t['conversations']:,}",
                                 age(t["oldest_message_age_s"]), str(t["attempts"]), t["status"])
-    ingests = Table("queue", "output", "position", "rows", "runs", "last run at", title="Spark ingests",
-                    title_justify="left")
+    ingests = Table("queue", "output", "position", "rows", "runs", "last run at", "lag", "oldest waiting",
+                    title="Spark ingests", title_justify="left")
     for i in report["ingests"]:
         add_cells(ingests, i["queue_name"], i["output"], str(i["queue_position"]), f"{i['rows_ingested']:,}",
-                           str(i["runs"]), f"{i['updated_at']:%Y-%m-%d %H:%M:%S}")
+                           str(i["runs"]), f"{i['updated_at']:%Y-%m-%d %H:%M:%S}", f"{i['lag_messages']:,}",
+                           age(i["lag_s"]) if i["lag_messages"] else "")
     dead = Table("queue", "conversation", "#", "message type", "reason", "at", title="Latest dead letters",
                  title_justify="left")
     for d in report["dead_letters"]:
@@ -538,39 +539,70 @@ def ingest(
                                    help="JDBC reads, each a range of equal row count (default: 4 per core)"),
     fetch_size: int = typer.Option(10_000, min=1, help="rows per JDBC fetch"),
     master: str = typer.Option(None, help="Spark master URL, e.g. spark://host:7077 (default: local[*])"),
+    follow: bool = typer.Option(False, "--follow",
+                                help="keep running: a run whenever messages commit to the queue, in one "
+                                     "SparkSession, one log line each, until SIGTERM or Ctrl-C (which let the run "
+                                     "in progress finish)"),
+    interval: float = typer.Option(None, min=0.1, metavar="SECONDS",
+                                   help="with --follow: look at least this often, besides waking on each commit "
+                                        "(default: 5)"),
 ) -> None:
     """Ingest a queue's committed messages into Parquet with Spark, exactly once across runs.
 
     Each run reads the positions above the last checkpoint up to a high-water mark fixed at its start,
     writes them as one directory of the dataset, then advances the checkpoint.
     """
+    if interval is not None and not follow:
+        raise typer.BadParameter("--interval goes with --follow", param_hint="--interval")
     require_extra("ingest", "spark", "pyspark")
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from broker.errors import BrokerError
-    from spark_ingest.errors import IngestError
     from spark_ingest.jdbc import spark_session
-    from spark_ingest.job import ingest as ingest_queue
 
     settings = Settings()
+    if follow:
+        import logging
+
+        from spark_ingest.follow import StopSignals, follow as follow_queue
+
+        _log_to_stderr()
+        logging.getLogger("spark_ingest.follow").setLevel(logging.INFO)  # one line per run
+        with database(settings) as (url, _), _ingest_failures():
+            spark = spark_session(master, settings.jdbc_driver)
+            with StopSignals() as stop:  # after Spark's start, which sets a SIGINT handler of its own
+                follow_queue(spark, url, queue, output, stop, interval_s=interval or 5.0, partitions=partitions,
+                             consume=consume, fetch_size=fetch_size)
+        return
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from spark_ingest.job import ingest as ingest_queue
+
     with database(settings) as (url, _), Progress(
             TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[rows]}"), TimeElapsedColumn(),
-            console=console, transient=True) as bar:
+            console=console, transient=True) as bar, _ingest_failures():
         task = bar.add_task(f"ingest {queue}", total=None, rows="starting Spark")
 
         def show(progress) -> None:
             bar.update(task, total=progress.rows, completed=progress.rows_done,
                        rows=f"~{progress.rows_done:,}/{progress.rows:,} rows, {progress.rows_per_second:,.0f} rows/s")
 
-        try:
-            spark = spark_session(master, settings.jdbc_driver)
-            summary = ingest_queue(spark, url, queue, output, partitions=partitions, consume=consume,
-                                   fetch_size=fetch_size, on_progress=show)
-        except (BrokerError, IngestError) as error:
-            stderr.print(Text(f"ingest failed: {mask_passwords(visible(str(error)))}", style="red"), highlight=False,
-                         soft_wrap=True)
-            raise typer.Exit(1) from error
+        spark = spark_session(master, settings.jdbc_driver)
+        summary = ingest_queue(spark, url, queue, output, partitions=partitions, consume=consume,
+                               fetch_size=fetch_size, on_progress=show)
     console.print(summary.describe(), highlight=False)
+
+
+@contextmanager
+def _ingest_failures() -> Iterator[None]:
+    """A run that cannot start or commit: its reason in one line, and exit status 1."""
+    from broker.errors import BrokerError
+    from spark_ingest.errors import IngestError
+
+    try:
+        yield
+    except (BrokerError, IngestError) as error:
+        stderr.print(Text(f"ingest failed: {mask_passwords(visible(str(error)))}", style="red"), highlight=False,
+                     soft_wrap=True)
+        raise typer.Exit(1) from error
 
 
 @app.command()

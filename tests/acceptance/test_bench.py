@@ -18,8 +18,10 @@ SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", *AGAINS
              *{f"{name} vs pgmq" for name in AGAINST_PGMQ}, "cross-node transfer", "cross-node transfer, traced",
              "cross-node transfer, resend window",
              "cross-node latency (p50; p99 in details)", "REST send, then receive + complete",
-             "RabbitMQ publish + consume", "Spark ingest", "cross-node at scale (min of the curve)",
-             "send_batch to a local service, 10 a conversation vs pgmq", "activated procedure vs run_activation"}
+             "RabbitMQ publish + consume", "Spark ingest",
+             "Spark ingest --follow, a batch from commit to dataset", "cross-node at scale (min of the curve)",
+             "send_batch to a local service, 10 a conversation vs pgmq",
+             "activated procedure vs run_activation"}
 # pgmq's SQL, when the machine has it (the bench never ships it): measured beside ours, else skipped.
 PGMQ_SQL = os.environ.get("BROKER_BENCH_PGMQ_SQL")
 

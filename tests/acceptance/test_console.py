@@ -1,10 +1,12 @@
 """The web console in a real headless Chromium (Debian's), driven by Playwright; the test takes a screenshot."""
+import re
 from pathlib import Path
 from uuid import uuid4
 
 import httpx
 import pytest
 from playwright.sync_api import expect, sync_playwright
+from sqlalchemy import text
 
 import broker
 from tests.factories import WAREHOUSE_QUEUE, begin
@@ -48,6 +50,9 @@ def test_the_console_shows_queues_conversations_the_transmission_queue_and_dead_
         c.rollback()
     with engine.begin() as c:
         assert broker.report_processing_failure(c, WAREHOUSE_QUEUE, message.conversation_group_id, "no such sku")
+    with engine.begin() as c:  # an ingest's checkpoint, with a message waiting above it
+        c.execute(text("SELECT broker.start_ingest(:queue, 'file:/lake/warehouse')"), {"queue": WAREHOUSE_QUEUE})
+        broker.send(c, begin(c), "order.note", "waiting for the ingest")
     admin = new_key(engine, "admin")
 
     with ApiServer(database_url) as api:
@@ -68,6 +73,10 @@ def test_the_console_shows_queues_conversations_the_transmission_queue_and_dead_
         expect(page.locator("#transmission")).to_contain_text("waiting for its first transmission")
         expect(page.locator("#dead")).to_contain_text("no such sku")
         expect(page.locator("#conversations")).to_contain_text("conversing")
+        ingest = page.locator("#ingests tbody tr td")
+        expect(ingest.nth(1)).to_have_text("file:/lake/warehouse")
+        expect(ingest.nth(5)).to_have_text(re.compile(r"^[1-9]\d*$"))  # messages above the checkpoint
+        expect(ingest.nth(6)).to_have_text(re.compile(r"^[\d.]+ s$"))  # the oldest one's age
         # diagnose's findings: nothing relays here, and the far node does not answer
         expect(page.locator("#diagnose")).to_contain_text("no relay is running for it")
         expect(page.locator("#diagnose")).to_contain_text("does not answer")

@@ -75,3 +75,9 @@ def test_without_a_terminal_output_is_plain_and_unwrapped(database_url, engine, 
     assert result.returncode == 0, result.stderr
     assert any(reason in line for line in result.stdout.splitlines()), result.stdout
     assert "\x1b[" not in result.stdout
+
+
+def test_an_interval_without_follow_is_refused_before_anything_starts(database_url):
+    result = _run("ingest", "--queue", WAREHOUSE_QUEUE, "--output", "/tmp/lake", "--interval", "3",
+                  database_url=database_url)
+    assert result.returncode == 2 and "--interval goes with --follow" in result.stderr

@@ -105,3 +105,20 @@ BEGIN
     END IF;
     RETURN deleted;
 END $$;
+
+-- How far each ingest is behind its queue: the messages above its checkpoint
+-- (committed, and still in the queue), and how long the oldest of them has
+-- waited, 0 when none does.  What `broker status`, /metrics and the console
+-- show, and what `broker ingest --follow` logs after each run.
+CREATE OR REPLACE FUNCTION broker.ingest_lag()
+RETURNS TABLE (queue_name text, output text, lag_messages bigint, lag_s float8)
+LANGUAGE sql STABLE AS $$
+    SELECT q.name, c.output, waiting.messages,
+           greatest(coalesce(extract(epoch FROM now() - waiting.oldest), 0), 0)::float8
+    FROM broker.ingest_checkpoints c
+    JOIN broker.queues q USING (queue_id)
+    CROSS JOIN LATERAL (SELECT count(*) AS messages, min(m.enqueued_at) AS oldest
+                        FROM broker.queue_messages m
+                        WHERE m.queue_id = c.queue_id AND m.queue_position > c.queue_position) waiting
+    ORDER BY q.name, c.output
+$$;
