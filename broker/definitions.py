@@ -1,5 +1,6 @@
-"""The catalog as a file (`broker definitions`): a node's message types, contracts, queues, services, routes and
-broker priorities written as YAML, and a node made to match such a file in one transaction.
+"""The catalog as a file (`broker definitions`): a node's message types, contracts, queues, the queues'
+activations, services, routes and broker priorities written as YAML, and a node made to match such a file in one
+transaction.
 
 A file names each object once, under its section, with every setting; a setting left out takes the default of
 its create_* function.  A route's secret is never in a file: the file names the environment variable that holds
@@ -40,13 +41,17 @@ SETTINGS: dict[str, dict[str, tuple[type, Any]]] = {
     "message_types": {"validation": (str, "none")},
     "contracts": {"message_types": (dict, REQUIRED)},
     "queues": {"enabled": (bool, True), "retention": (bool, False), "poison_threshold": (int, 5)},
+    # By queue: the procedure (schema-qualified, as the node keeps it) is the application's, not in the file.
+    "activations": {"procedure": (str, REQUIRED), "max_queue_readers": (int, 1), "enabled": (bool, True),
+                    "execute_as": (str, REQUIRED)},
     "services": {"queue": (str, REQUIRED), "contracts": (list, [])},
     "routes": {"address": (str, REQUIRED), "broker_instance": (str, REQUIRED), "secret": (Secret, REQUIRED)},
     "broker_priorities": {"priority": (int, REQUIRED), "contract": (str, None), "local_service": (str, None),
                           "remote_service": (str, None)},
 }
 SECTIONS = tuple(SETTINGS)  # in the order of what depends on what: each refers only to those before it
-KIND = {"message_types": "message type", "contracts": "contract", "queues": "queue", "services": "service",
+KIND = {"message_types": "message type", "contracts": "contract", "queues": "queue",
+        "activations": "activation of queue", "services": "service",
         "routes": "route", "broker_priorities": "broker priority"}
 TYPE_NAMES = {str: "text", bool: "true or false", int: "a whole number", dict: "a mapping", list: "a list",
               Secret: "{env: VARIABLE}"}
@@ -124,6 +129,10 @@ def read_node(connection: Connection) -> Catalog:
                       for name, types in queries.contracts(connection).items()},
         "queues": {row.name: {"enabled": row.is_enabled, "retention": row.retention,
                               "poison_threshold": row.poison_threshold} for row in queries.queues(connection)},
+        "activations": {row.queue_name: {"procedure": row.procedure_name,
+                                         "max_queue_readers": row.max_queue_readers, "enabled": row.status == "on",
+                                         "execute_as": row.execute_as}
+                        for row in queries.activation_statuses(connection)},
         "services": {row.name: {"queue": row.queue, "contracts": sorted(row.contracts)}
                      for row in queries.services(connection)},
         "routes": {row.service_name: {"address": row.address, "broker_instance": str(row.broker_instance),
@@ -299,6 +308,9 @@ class _Reader:
                 raise self.refuse(given["broker_instance"], f"broker_instance of {what} must be a uuid") from None
             # The node keeps an address without its trailing slashes (broker.create_route).
             settings["address"] = settings["address"].rstrip("/")
+        if section == "activations" and "." not in settings["procedure"]:
+            raise self.refuse(given["procedure"], f"procedure of {what} must name its schema, as the node keeps it "
+                                                  f"and export writes it: e.g. public.{settings['procedure']}")
 
     def check_references(self, catalog: Catalog, entries: dict[tuple[str, str], yaml.Node]) -> None:
         """Each name an entry refers to is defined in the file."""
@@ -312,6 +324,10 @@ class _Reader:
                 if type_name not in defined["message_types"]:
                     raise self.refuse(key_node, f"contract {name!r} names message type {type_name!r}, which the "
                                                 "file does not define: add it under message_types")
+        for name in defined["activations"]:
+            if name not in defined["queues"]:
+                raise self.refuse(entries[("activations", name)], f"activations name queue {name!r}, which the "
+                                                                  "file does not define: add it under queues")
         for name, service in defined["services"].items():
             entry = entries[("services", name)]
             if service["queue"] not in defined["queues"]:
@@ -333,7 +349,7 @@ def _is_null(node: yaml.Node) -> bool:
 # --- Plan and apply -------------------------------------------------------------------------------
 
 # A changed object that has no alter_* function is dropped and created again (a replace).
-ALTERED_IN_PLACE = {"queues"}
+ALTERED_IN_PLACE = {"queues", "activations"}
 
 
 def plan(connection: Connection, wanted: Catalog, prune: bool) -> list[Change]:
@@ -410,10 +426,16 @@ def _refusal(change: Change, message: str, sqlstate: str | None, hint: str | Non
             + (f" ({sqlstate})" if sqlstate else "") + (f"; {hint}" if hint else ""))
 
 
+def _set_activation(connection: Connection, queue: str, settings: dict[str, Any]) -> None:
+    core.set_queue_activation(connection, queue, settings["procedure"], max_queue_readers=settings["max_queue_readers"],
+                              enabled=settings["enabled"], execute_as=settings["execute_as"])
+
+
 _DROP = {
     "message_types": core.drop_message_type,
     "contracts": core.drop_contract,
     "queues": core.drop_queue,
+    "activations": core.drop_queue_activation,
     "services": core.drop_service,
     "routes": core.drop_route,
     "broker_priorities": core.drop_broker_priority,
@@ -423,6 +445,7 @@ _CREATE = {
     "contracts": lambda c, name, s: core.create_contract(c, name, s["message_types"]),
     "queues": lambda c, name, s: core.create_queue(c, name, enabled=s["enabled"], retention=s["retention"],
                                                    poison_threshold=s["poison_threshold"]),
+    "activations": _set_activation,
     "services": lambda c, name, s: core.create_service(c, name, s["queue"], s["contracts"]),
     "routes": lambda c, name, s: core.create_route(c, name, s["address"], s["broker_instance"], s["secret"].value),
     "broker_priorities": lambda c, name, s: core.create_broker_priority(
@@ -432,8 +455,10 @@ _CREATE = {
 _ALTER = {
     "queues": lambda c, name, s: core.alter_queue(c, name, enabled=s["enabled"], retention=s["retention"],
                                                   poison_threshold=s["poison_threshold"]),
+    "activations": _set_activation,
     "services": lambda c, name, s: core.alter_service(c, name, s["contracts"]),
 }
+
 
 
 def make_match(connection: Connection, wanted: Catalog, prune: bool) -> list[Change]:

@@ -32,12 +32,33 @@ def other_database_url(admin_url, template_database):
     yield from _fresh_database(admin_url, template_database)
 
 
+# The application's procedure that an activation names, and the role it runs as: a node's file names them, each
+# node has them of its own.
+ARCHIVER = """
+CREATE PROCEDURE public.archive_messages(queue text) LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM broker.receive(queue, 10);
+END $$;
+DO $$
+BEGIN
+    CREATE ROLE archiver NOLOGIN;
+EXCEPTION WHEN duplicate_object THEN
+    NULL;
+END $$;
+GRANT broker_application TO archiver;
+"""
+
+
 def _define_everything(engine) -> None:
-    """The orders catalog, with queue settings other than the defaults, two routes to one peer and a priority."""
+    """The orders catalog, with queue settings other than the defaults, an activation, two routes to one peer and a
+    priority."""
     with engine.begin() as c:
+        c.exec_driver_sql(ARCHIVER)
         broker.create_message_type(c, "billing.invoice", "json")
         broker.create_contract(c, "billing", {"billing.invoice": "any"})
         broker.create_queue(c, "archive", enabled=False, retention=True, poison_threshold=2)
+        broker.set_queue_activation(c, "archive", "archive_messages", max_queue_readers=3, enabled=False,
+                                    execute_as="archiver")
         broker.alter_queue(c, WAREHOUSE_QUEUE, poison_threshold=3)
         broker.create_route(c, "billing", "http://billing.example:8080/", PEER, SECRET)
         broker.create_route(c, "billing.audit", "http://billing.example:8080", PEER, SECRET)
@@ -68,14 +89,20 @@ def test_an_export_applied_to_an_empty_node_exports_the_same(database_url, engin
     written = _run("export", "--output", str(path), database_url=database_url)
     assert written.returncode == 0 and written.stdout == "" and path.read_text() == exported
 
+    assert "activations:\n  archive:\n    procedure: public.archive_messages\n    max_queue_readers: 3\n" \
+           "    enabled: false\n    execute_as: archiver\n" in exported
+    other = create_engine(other_database_url)
+    with other.begin() as c:
+        c.exec_driver_sql(ARCHIVER)
     applied = _run("apply", str(path), database_url=other_database_url, env={"BROKER_SECRET_BILLING": SECRET})
     assert applied.returncode == 0, applied.stderr
+    assert ("create activation of queue 'archive' (procedure public.archive_messages, max_queue_readers 3, "
+            "enabled false, execute_as archiver)") in applied.stdout
     assert "create queue 'archive' (enabled false, retention true, poison_threshold 2)" in applied.stdout
     assert "create route 'billing' (address http://billing.example:8080, broker_instance " \
            f"{PEER}, secret from $BROKER_SECRET_BILLING)" in applied.stdout
     assert SECRET not in applied.stdout + applied.stderr
     assert _export(other_database_url) == exported
-    other = create_engine(other_database_url)
     with other.connect() as c:
         assert set(c.execute(text("SELECT peer_secret FROM broker.routes")).scalars()) == {SECRET}
     other.dispose()
@@ -89,7 +116,7 @@ def test_applying_a_file_twice_changes_nothing_the_second_time(engine, orders, t
     with engine.connect() as c:
         exported = definitions.export(c)
     changed = exported.replace("poison_threshold: 3", "poison_threshold: 7").replace(
-        "billing.invoice: any", "billing.invoice: initiator")
+        "billing.invoice: any", "billing.invoice: initiator").replace("max_queue_readers: 3", "max_queue_readers: 5")
     wanted = definitions.load(changed, "catalog.yaml", {"BROKER_SECRET_BILLING": OTHER_SECRET})
     with engine.begin() as c:
         first = definitions.make_match(c, wanted, prune=False)
@@ -97,6 +124,7 @@ def test_applying_a_file_twice_changes_nothing_the_second_time(engine, orders, t
         "replace contract 'billing' (drop and create again): message_types {billing.invoice: any} -> "
         "{billing.invoice: initiator}",
         f"alter queue '{WAREHOUSE_QUEUE}': poison_threshold 3 -> 7",
+        "alter activation of queue 'archive': max_queue_readers 3 -> 5",
         "replace route 'billing' (drop and create again): a new secret from $BROKER_SECRET_BILLING",
         "replace route 'billing.audit' (drop and create again): a new secret from $BROKER_SECRET_BILLING",
     ]
@@ -175,6 +203,12 @@ BAD_FILES = {
                            "a file never holds a secret"),
     "written twice": ("queues:\n  new: {}\n  new: {}\n", "3:3", "'new' is written twice in queues"),
     "not YAML": ("queues:\n  new: {}\n  - other\n", "3:3", "not valid YAML"),
+    "a procedure without its schema": ("queues:\n  new: {}\nactivations:\n  new:\n    procedure: archive_messages\n"
+                                       "    execute_as: archiver\n", "5:16",
+                                       "procedure of activation of queue 'new' must name its schema"),
+    "an activation of an unknown queue": ("queues:\n  new: {}\nactivations:\n  old:\n"
+                                          "    procedure: public.archive_messages\n    execute_as: archiver\n", "5:5",
+                                          "activations name queue 'old', which the file does not define"),
     "refused by the node": ("queues:\n  new: {}\n  'new but bad!': {}\n", "3:3",
                             "creating queue 'new but bad!': invalid queue name 'new but bad!' (BR050); use 1-128"),
 }
