@@ -9,6 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import StrMethodFormatter
 
+from bench.cross_node import SCALE_FLAT_WITHIN
 from bench.results import Measurement, ScenarioResult
 
 MEASURED, BASELINE = "tab:blue", "tab:gray"
@@ -81,8 +82,8 @@ def _scale(results: list[ScenarioResult], path: Path) -> Path | None:
     for result in measured:
         curve = result.series["scale"]
         fastest = max(point["msgs_per_s"] for point in curve)
-        axes.axhspan(fastest / 1.2, fastest, color="tab:green", alpha=0.12,
-                     label="the target: within 20% of the fastest point")
+        axes.axhspan(fastest / SCALE_FLAT_WITHIN, fastest, color="tab:green", alpha=0.12,
+                     label=f"the target: within {SCALE_FLAT_WITHIN - 1:.0%} of the fastest point")
         axes.plot([point["conversations"] for point in curve], [point["msgs_per_s"] for point in curve], "o-",
                   label=result.scenario)
         for point in curve:
