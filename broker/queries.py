@@ -46,6 +46,7 @@ DESTINATIONS = text(
     "       ARRAY(SELECT p.secret FROM broker.peer_secrets p WHERE p.broker_instance = r.broker_instance"
     "             ORDER BY p.role, p.added_at DESC) AS other_secrets"
     " FROM broker.routes r GROUP BY r.address, r.broker_instance ORDER BY r.address")
+METADATA_ADDRESSES_ALLOWED = text("SELECT broker._metadata_addresses_allowed()")
 PEER_IS_ROUTED = text("SELECT EXISTS (SELECT FROM broker.routes WHERE broker_instance = :instance)")
 # The routes' secrets first: while no secret is rotated they are the only ones.
 SECRETS_OF_PEER = text(
@@ -84,6 +85,11 @@ def destinations(connection: Connection) -> list[Row]:
     """One row per destination node the relay sends to: its address, broker_instance, the secret its routes sign
     with, and the other secrets held for it while one is rotated."""
     return connection.execute(DESTINATIONS).all()
+
+
+def metadata_addresses_allowed(connection: Connection) -> bool:
+    """Whether the operator lets routes reach link-local and cloud metadata addresses (broker/transport/addresses.py)."""
+    return connection.execute(METADATA_ADDRESSES_ALLOWED).scalar_one()
 
 
 def is_routed_peer(connection: Connection, instance: str) -> bool:
