@@ -1,6 +1,7 @@
-"""Connections that must send their request in time: a client that trickles its headers a byte at a
-time is disconnected instead of holding a connection for as long as it likes (its body is timed by
-api.limits)."""
+"""Connections that must send their request in time: a client that trickles its head (the request line and
+headers) at any rate is disconnected within the head's deadline instead of holding a connection for as long as it
+likes.  The body of a request let in is timed by api.limits; a request not let in has no body read
+(api.admission, api.main.body_limit)."""
 import functools
 
 import h11
@@ -8,8 +9,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 class HeadersInTime(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, closing a connection whose next request's headers have not all come
-    within timeout_s of the connection opening or of the last response."""
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose next request's head has not all come within
+    timeout_s of the connection opening or of the last response: a deadline, not an idle timeout, so that
+    trickling a byte now and then does not put it off."""
 
     def __init__(self, *args, timeout_s: float, **kwargs):
         super().__init__(*args, **kwargs)

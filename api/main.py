@@ -13,7 +13,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from api.admission import Admission
+from api.admission import Admission, needs_key
 from api.arrivals import Arrivals
 from api.limits import RequestLimits
 from api.problems import (InternalErrors, Problem, ProblemDetails, database_unavailable, from_broker_error,
@@ -69,8 +69,7 @@ def create_app(database_url: str, settings: Settings) -> FastAPI:
     for router in (conversations.router, conversations.messages_router, queues.router, catalog.router, health.router,
                    transport.router, console.router):
         app.include_router(router)
-    app.add_middleware(RequestLimits, limit_for=lambda path: settings.max_batch_bytes
-                       if path.startswith("/transport/") else settings.max_request_bytes,
+    app.add_middleware(RequestLimits, limit_for=lambda path: body_limit(settings, path),
                        timeout_s=settings.request_timeout_s)
     # outside RequestLimits: before the body is read
     app.add_middleware(Admission, engine=app.state.engine, max_clock_skew_s=settings.max_clock_skew_s)
@@ -137,6 +136,15 @@ def _operation_id(route: APIRoute) -> str:
     """A route's operationId is its function's name (send_message), which generated clients name their calls by;
     FastAPI's default adds the path and method (send_message_v1_conversations_conversation_handle_messages_post)."""
     return route.name
+
+
+def body_limit(settings: Settings, path: str) -> int:
+    """The most bytes of body a request to path may send: a peer's batch, a request with an API key, and none
+    to a route that needs neither (probes, the console page, the OpenAPI document take no body), so that the
+    node reads no body from a client that has not been let in (api.admission)."""
+    if path.startswith("/transport/"):
+        return settings.max_batch_bytes
+    return settings.max_request_bytes if needs_key(path) else 0
 
 
 def _openapi(app: FastAPI) -> dict:

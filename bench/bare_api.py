@@ -49,7 +49,7 @@ def create_app(database_url: str, settings: Settings) -> FastAPI:
 def main() -> None:
     settings = Settings()
     uvicorn.run(create_app(os.environ["BROKER_DATABASE_URL"], settings), host="127.0.0.1", port=int(sys.argv[1]),
-                log_level="warning", http=connections.protocol(settings.request_timeout_s),
+                log_level="warning", http=connections.protocol(settings.request_head_timeout_s),
                 limit_concurrency=settings.max_connections)
 
 

@@ -9,6 +9,8 @@ from uuid import UUID
 
 from sqlalchemy import Connection, Row, text
 
+from broker import errors
+
 # --- The node -------------------------------------------------------------------------------------
 
 BROKER_INSTANCE = text("SELECT broker_instance FROM broker.node")
@@ -44,6 +46,7 @@ DESTINATIONS = text(
     "       ARRAY(SELECT p.secret FROM broker.peer_secrets p WHERE p.broker_instance = r.broker_instance"
     "             ORDER BY p.role, p.added_at DESC) AS other_secrets"
     " FROM broker.routes r GROUP BY r.address, r.broker_instance ORDER BY r.address")
+METADATA_ADDRESSES_ALLOWED = text("SELECT broker._metadata_addresses_allowed()")
 PEER_IS_ROUTED = text("SELECT EXISTS (SELECT FROM broker.routes WHERE broker_instance = :instance)")
 # The routes' secrets first: while no secret is rotated they are the only ones.
 SECRETS_OF_PEER = text(
@@ -82,6 +85,11 @@ def destinations(connection: Connection) -> list[Row]:
     """One row per destination node the relay sends to: its address, broker_instance, the secret its routes sign
     with, and the other secrets held for it while one is rotated."""
     return connection.execute(DESTINATIONS).all()
+
+
+def metadata_addresses_allowed(connection: Connection) -> bool:
+    """Whether the operator lets routes reach link-local and cloud metadata addresses (broker/transport/addresses.py)."""
+    return connection.execute(METADATA_ADDRESSES_ALLOWED).scalar_one()
 
 
 def is_routed_peer(connection: Connection, instance: str) -> bool:
@@ -189,6 +197,8 @@ QUEUE_OF_LOCK = text("""
                          UNION ALL
                          SELECT e.queue_id FROM broker.ended_leases e WHERE e.lock_token = :token)
 """)
+# BR060 as for a lock never made (broker/sql/functions/12_leases.sql).
+REFUSE_LOCK_AS_UNKNOWN = text("SELECT broker._refuse_lost_lock(:token, NULL, NULL)")
 GROUP_OF_LOCK = text("SELECT conversation_group_id FROM broker.leases WHERE lock_token = :token")
 ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
 # Every message of one conversation side that this node still holds, and why each is where it is: sent and not
@@ -224,8 +234,8 @@ CONVERSATION_MESSAGES = text("""
     FROM broker.dead_letters d WHERE d.conversation_handle = :handle
     ORDER BY direction DESC, sequence_number
 """)
-SERVICES_OF_ENDPOINTS = text("SELECT conversation_handle, service_name FROM broker.conversation_endpoints"
-                             " WHERE conversation_handle = ANY(CAST(:handles AS uuid[]))")
+ENDPOINTS_NAMED = text("SELECT * FROM broker.conversation_endpoints"
+                       " WHERE conversation_handle = ANY(CAST(:handles AS uuid[]))")
 OPEN_ENDPOINTS = text("SELECT count(*) FROM broker.endpoints WHERE state <> 'closed'")
 ENDPOINT_HANDLE = text("SELECT conversation_handle FROM broker.endpoints"
                        " WHERE conversation_id = :conversation_id AND is_initiator = :is_initiator")
@@ -245,6 +255,12 @@ def queue_of_lock(connection: Connection, lock_token: UUID) -> str | None:
     return connection.execute(QUEUE_OF_LOCK, {"token": lock_token}).scalar()
 
 
+def refuse_lock_as_unknown(connection: Connection, lock_token: UUID) -> None:
+    """Raises LockLost (reason unknown), word for word what the broker raises for a lock never made."""
+    with errors.translated_errors():
+        connection.execute(REFUSE_LOCK_AS_UNKNOWN, {"token": lock_token})
+
+
 def group_of_lock(connection: Connection, lock_token: UUID) -> UUID | None:
     """The conversation group a lease holds, while the lease is kept."""
     return connection.execute(GROUP_OF_LOCK, {"token": lock_token}).scalar()
@@ -259,9 +275,11 @@ def endpoint(connection: Connection, handle: UUID) -> Row | None:
     return connection.execute(ENDPOINT, {"handle": handle}).first()
 
 
-def services_of_endpoints(connection: Connection, handles: list[UUID]) -> dict[UUID, str]:
-    """The local service of each conversation side named (unknown handles are left out)."""
-    return dict(connection.execute(SERVICES_OF_ENDPOINTS, {"handles": [str(handle) for handle in handles]}).all())
+def endpoints_named(connection: Connection, handles: list[UUID]) -> dict[UUID, Row]:
+    """Each conversation side named, by its handle, from broker.conversation_endpoints (unknown handles are left
+    out)."""
+    rows = connection.execute(ENDPOINTS_NAMED, {"handles": [str(handle) for handle in handles]}).all()
+    return {row.conversation_handle: row for row in rows}
 
 
 def open_endpoints(connection: Connection) -> int:

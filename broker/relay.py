@@ -37,6 +37,7 @@ from sqlalchemy.exc import DataError, DBAPIError
 from broker import queries, timers, tracing
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILURES, RELAY_SENT
 from broker.transport import wire
+from broker.transport.addresses import CheckedConnections, checked_client
 from broker.transport.sending import (BatchTooLarge, SignatureRefused, TransportFailure, UnsupportedWireVersion,
                                       peer_wire_versions, post_batch)
 
@@ -91,7 +92,7 @@ class Relay:
                  timeout_s: float = 30.0, tls_ca_file: str | None = None, lanes: int = LANES):
         self.database_url = database_url
         self.engine = create_engine(database_url, pool_size=lanes, pool_pre_ping=True)
-        self.lanes = [Lane(self, lane, lanes, httpx.Client(timeout=timeout_s, verify=tls_ca_file or True))
+        self.lanes = [Lane(self, lane, lanes, CheckedConnections(), timeout_s, tls_ca_file or True)
                       for lane in range(lanes)]
         self.batch_messages, self.batch_bytes = batch_messages, batch_bytes
         # Per destination address: the wire version to send it, and until when that is known.
@@ -189,8 +190,10 @@ class Lane:
     (another relay takes over when this session ends), reads its batches and applies the answers.
     """
 
-    def __init__(self, relay: Relay, index: int, lanes: int, client: httpx.Client):
-        self.relay, self.index, self.client = relay, index, client
+    def __init__(self, relay: Relay, index: int, lanes: int, connections: CheckedConnections, timeout_s: float,
+                 verify):
+        self.relay, self.index, self.connections = relay, index, connections
+        self.client = checked_client(connections, timeout_s, verify)
         first, last = lane_bounds(index, lanes)
         self.first_handle, self.last_handle = str(uuid.UUID(int=first)), str(uuid.UUID(int=last))
         self.digits = lane_digits(index, lanes)
@@ -253,6 +256,7 @@ class Lane:
         if time.monotonic() >= self.destinations_at:
             self.instance = queries.broker_instance(connection)
             self.destinations = queries.destinations(connection)
+            self.connections.allow_metadata_addresses = queries.metadata_addresses_allowed(connection)
             connection.commit()
             self.destinations_at = time.monotonic() + DESTINATIONS_REFRESH_S
         idle_s = IDLE_WAKE_S

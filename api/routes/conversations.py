@@ -8,10 +8,10 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 from sqlalchemy import Connection
 
 import broker
-from api import bodies
+from api import bodies, visibility
 from api.auth import require
 from api.deps import Database, Key
-from api.problems import KEYED, READS_BODY, Problem, error_responses
+from api.problems import KEYED, READS_BODY, error_responses
 from api.types import Name, Number, Text, integer, known_query_parameters
 from broker import queries
 from broker.api_keys import ApiKey
@@ -161,20 +161,8 @@ TRACEPARENT = Header(None, description="a W3C traceparent (00-<trace id>-<parent
                                        "carry it, and their transmission and receipt continue its trace")
 
 
-def _endpoint(connection: Connection, handle: UUID):
-    endpoint = queries.endpoint(connection, handle)
-    if endpoint is None:
-        raise Problem(404, "unknown-object", "No such object", f"unknown conversation {handle}")
-    return endpoint
-
-
-def _scopes_of(endpoint) -> tuple[str, str]:
-    """Either scope lets a key look at a conversation side: sending on its service, or receiving from its queue."""
-    return f"send:{endpoint.service_name}", f"receive:{endpoint.queue_name}"
-
-
 def _sending_endpoint(connection: Connection, key: ApiKey, handle: UUID):
-    endpoint = _endpoint(connection, handle)
+    endpoint = visibility.conversation(connection, key, handle)
     require(key, f"send:{endpoint.service_name}")
     return endpoint
 
@@ -185,19 +173,19 @@ def begin_conversation(begin: BeginConversation, key: Key, db: Database) -> Any:
     require(key, f"send:{begin.from_service}")
     lifetime = timedelta(seconds=begin.lifetime_s) if begin.lifetime_s else None
     with db.begin() as connection:
+        if begin.related_conversation is not None:
+            visibility.conversation(connection, key, begin.related_conversation)
         handle = broker.begin_dialog(connection, begin.from_service, begin.to_service, begin.contract,
                                      lifetime=lifetime, related_conversation_group=begin.related_conversation_group,
                                      related_conversation=begin.related_conversation)
-        return _endpoint(connection, handle)._asdict()
+        return queries.endpoint(connection, handle)._asdict()
 
 
 @router.get("/{conversation_handle}", response_model=Conversation, summary="Look at one side of a conversation",
             responses=error_responses(404, 422))
 def get_conversation(conversation_handle: UUID, key: Key, db: Database) -> Any:
     with db.connect() as connection:
-        endpoint = _endpoint(connection, conversation_handle)
-    require(key, *_scopes_of(endpoint))
-    return endpoint._asdict()
+        return visibility.conversation(connection, key, conversation_handle)._asdict()
 
 
 @router.get("/{conversation_handle}/messages", response_model=ConversationLife,
@@ -205,7 +193,7 @@ def get_conversation(conversation_handle: UUID, key: Key, db: Database) -> Any:
             responses=error_responses(404, 422))
 def get_conversation_messages(conversation_handle: UUID, key: Key, db: Database) -> Any:
     with db.connect() as connection:
-        require(key, *_scopes_of(_endpoint(connection, conversation_handle)))
+        visibility.conversation(connection, key, conversation_handle)
         return conversation_life(connection, conversation_handle)
 
 
@@ -230,16 +218,18 @@ def send_message(conversation_handle: UUID, message: SendMessage, key: Key, db: 
                       responses=error_responses(404, 409, *READS_BODY))
 def send_messages(batch: SendMessages, key: Key, db: Database, traceparent: str | None = TRACEPARENT) -> SentMany:
     """One request and one transaction for many numbered sends: each as POST …/messages with its sequence_number
-    would do it, all or none.  The key needs send:<service> for every conversation named."""
+    would do it, all or none.  The key needs send:<service> for every conversation named; one it may not see
+    is unknown (404)."""
     handles = list(dict.fromkeys(message.conversation_handle for message in batch.messages))
     encoded = [(message.conversation_handle, message.sequence_number, message.message_type,
                 bodies.encode(message.body, message.body_base64)) for message in batch.messages]
     with db.begin() as connection:
-        services = queries.services_of_endpoints(connection, handles)
-        unknown = next((handle for handle in handles if handle not in services), None)
-        if unknown is not None:
-            raise Problem(404, "unknown-object", "No such object", f"unknown conversation {unknown}")
-        for service in sorted(set(services.values())):
+        endpoints = queries.endpoints_named(connection, handles)
+        unseen = next((handle for handle in handles
+                       if handle not in endpoints or not visibility.sees(key, endpoints[handle])), None)
+        if unseen is not None:
+            raise visibility.unknown_conversation(unseen)
+        for service in sorted({endpoint.service_name for endpoint in endpoints.values()}):
             require(key, f"send:{service}")
         sent_now = broker.send_numbered_batch(connection, encoded, traceparent=traceparent)
     return SentMany(messages=[Sent(sequence_number=message.sequence_number, duplicate=not now)
@@ -254,7 +244,7 @@ def end_conversation(conversation_handle: UUID, key: Key, db: Database, end: End
         _sending_endpoint(connection, key, conversation_handle)
         broker.end_conversation(connection, conversation_handle, error_code=end.error_code,
                                 error_description=end.error_description)
-        return _endpoint(connection, conversation_handle)._asdict()
+        return queries.endpoint(connection, conversation_handle)._asdict()
 
 
 @router.post("/{conversation_handle}/move", response_model=Conversation, summary="Move a conversation to another group",
@@ -264,6 +254,6 @@ def move_conversation(conversation_handle: UUID, move: MoveConversation, key: Ke
     queue (Service Broker's MOVE CONVERSATION): from then on they are locked and received with that group.
     409 in-use while a lock holds either group."""
     with db.begin() as connection:
-        require(key, f"receive:{_endpoint(connection, conversation_handle).queue_name}")
+        require(key, f"receive:{visibility.conversation(connection, key, conversation_handle).queue_name}")
         broker.move_conversation(connection, conversation_handle, move.conversation_group)
-        return _endpoint(connection, conversation_handle)._asdict()
+        return queries.endpoint(connection, conversation_handle)._asdict()

@@ -18,13 +18,12 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import broker
-from api import bodies
+from api import bodies, visibility
 from api.auth import require
 from api.deps import AdminKey, Database, Key, NodeSettings
 from api.problems import KEYED, READS_BODY, Problem, error_responses
 from api.types import NamePath, Number, Text, integer, known_query_parameters
 from broker import queries
-from broker.api_keys import ApiKey
 from broker.metrics import API_ABANDONED, API_COMPLETED, API_RECEIVED
 
 router = APIRouter(tags=["queues"], responses=error_responses(*KEYED), dependencies=[Depends(known_query_parameters)])
@@ -230,20 +229,11 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
         pass
 
 
-def _locked_queue(connection, key: ApiKey, lock_token: UUID) -> str | None:
-    """The queue of a held lock, once the key may receive from it; None for a lock not held (the
-    broker's call then refuses it as lost)."""
-    queue = queries.queue_of_lock(connection, lock_token)
-    if queue is not None:
-        require(key, f"receive:{queue}")
-    return queue
-
-
 @router.post("/v1/locks/{lock_token}/complete", response_model=Completed, summary="Consume a lock's messages",
              responses=error_responses(409, 422))
 def complete_lock(lock_token: UUID, key: Key, db: Database) -> Completed:
     with db.begin() as connection:
-        queue = _locked_queue(connection, key, lock_token)
+        queue = visibility.lock_queue(connection, key, lock_token)
         completed = broker.complete_lock(connection, lock_token)
     API_COMPLETED.labels(queue).inc(completed)
     return Completed(completed=completed)
@@ -256,7 +246,7 @@ def renew_lock(lock_token: UUID, key: Key, db: Database, options: RenewRequest |
     counting toward the poison threshold. A lock already lost answers lock-lost with its reason."""
     options = options or RenewRequest()
     with db.begin() as connection:
-        _locked_queue(connection, key, lock_token)
+        visibility.lock_queue(connection, key, lock_token)
         expires = broker.renew_lock(connection, lock_token, timedelta(seconds=options.lock_s))
     return Renewed(lock_token=lock_token, lock_expires_at=expires)
 
@@ -266,7 +256,7 @@ def renew_lock(lock_token: UUID, key: Key, db: Database, options: RenewRequest |
 def get_group_state(lock_token: UUID, key: Key, db: Database) -> GroupState:
     """The state kept for the conversation group this live lock holds (null when none)."""
     with db.begin() as connection:
-        _locked_queue(connection, key, lock_token)
+        visibility.lock_queue(connection, key, lock_token)
         group = queries.group_of_lock(connection, lock_token)
         return GroupState(state=broker.get_conversation_group_state(connection, group, lock_token))
 
@@ -277,7 +267,7 @@ def set_group_state(lock_token: UUID, update: GroupState, key: Key, db: Database
     """Keeps state for the conversation group this live lock holds, until it is set again (null forgets it):
     the next reader of the group reads it, as Service Bus sessions keep theirs."""
     with db.begin() as connection:
-        _locked_queue(connection, key, lock_token)
+        visibility.lock_queue(connection, key, lock_token)
         group = queries.group_of_lock(connection, lock_token)
         broker.set_conversation_group_state(connection, group, update.state, lock_token)
     return update
@@ -290,7 +280,8 @@ def dead_letter(lock_token: UUID, request_body: DeadLetterRequest, key: Key, db:
     first message, and ends the conversation with broker.error (-2) on both sides; the lock ends, and its other
     messages come back, counting no failure."""
     with db.begin() as connection:
-        _locked_queue(connection, key, lock_token)
+        visibility.conversation(connection, key, request_body.conversation_handle)  # first, as the broker looks
+        visibility.lock_queue(connection, key, lock_token)
         moved = broker.dead_letter_conversation(connection, request_body.conversation_handle, request_body.reason,
                                                 lock_token)
     return DeadLettered(dead_lettered=moved)
@@ -300,7 +291,7 @@ def dead_letter(lock_token: UUID, request_body: DeadLetterRequest, key: Key, db:
              responses=error_responses(409, 422))
 def abandon_lock(lock_token: UUID, key: Key, db: Database) -> Abandoned:
     with db.begin() as connection:
-        queue = _locked_queue(connection, key, lock_token)
+        queue = visibility.lock_queue(connection, key, lock_token)
         quarantined = broker.abandon_lock(connection, lock_token)
     API_ABANDONED.labels(queue).inc()
     return Abandoned(quarantined=quarantined)

@@ -188,7 +188,7 @@ def serve(
             app = create_app(url, settings)
             # A stop waits at most a few seconds for requests in progress (a long poll may wait a minute).
             uvicorn.run(app, host=host, port=port, log_level="warning", http=connections.protocol(
-                settings.request_timeout_s), limit_concurrency=settings.max_connections,
+                settings.request_head_timeout_s), limit_concurrency=settings.max_connections,
                 timeout_graceful_shutdown=5, ssl_certfile=str(tls_cert) if tls_cert else None,
                 ssl_keyfile=str(tls_key) if tls_key else None)
         finally:

@@ -24,8 +24,9 @@ class Settings(BaseSettings):
     # in use before it is answered 503 with Retry-After.
     api_connections: int = Field(20, gt=0, le=1000)
     api_connection_wait_s: float = Field(2.0, gt=0, le=60)
-    # HTTP: the longest a client may take to send a request's headers, and again its body (then the connection
-    # is closed, or the request answered 408), and the most connections served at once (then 503).
+    # HTTP: the longest a client may take to send a request's head (then the connection is closed), and then the
+    # body of a request let in (then 408, and closed), and the most connections served at once (then 503).
+    request_head_timeout_s: float = Field(10.0, gt=0)
     request_timeout_s: float = Field(30.0, gt=0)
     max_connections: int = Field(1000, gt=0)
     # Transport: the largest batch this node accepts from a peer, and the most messages and bytes its relay

@@ -124,6 +124,36 @@ def test_resubmit_puts_a_quarantined_conversations_letters_back_in_order(engine,
         broker.resubmit_dead_letters(connection, SHOP_QUEUE, side)
 
 
+@pytest.mark.parametrize("reader", ["sql", "lease"])
+def test_resubmitted_messages_come_before_the_error_that_ended_their_conversation(engine, orders, reader):
+    """They were sent, and had arrived, before the conversation failed: the notice of the failure is received
+    after the last message that had arrived when it was raised, so a reader that ends a conversation on its
+    broker.error (as readers do) has processed every resubmitted message by then."""
+    notes_waiting(engine, "1", "2", "3")
+    side = _warehouse_side(engine)
+    with engine.connect() as connection:
+        if reader == "sql":
+            broker.receive(connection, WAREHOUSE_QUEUE, 10)
+            connection.rollback()
+            lock_token = None
+        else:
+            [*_, last] = broker.receive_with_lock(connection, WAREHOUSE_QUEUE, 10, timedelta(seconds=30))
+            lock_token = last.lock_token
+            connection.commit()
+        assert broker.dead_letter_conversation(connection, side, "cannot apply it yet", lock_token) == 3
+        connection.commit()
+    with engine.begin() as connection:
+        assert broker.resubmit_dead_letters(connection, WAREHOUSE_QUEUE, side) == 3
+    with engine.begin() as connection:
+        if reader == "sql":
+            received = broker.receive(connection, WAREHOUSE_QUEUE, None)
+        else:
+            received = broker.receive_with_lock(connection, WAREHOUSE_QUEUE, 10, timedelta(seconds=30))
+    assert [(m.message_sequence_number, m.message_type) for m in received] == [
+        (1, "order.note"), (2, "order.note"), (3, "order.note"), (0, "broker.error")]
+    assert b"message 1 was dead-lettered by its reader: cannot apply it yet" in received[-1].body
+
+
 def test_purge_deletes_a_queues_dead_letters_or_the_old_ones(engine, orders):
     for body in ("a", "b"):
         notes_waiting(engine, body)

@@ -132,7 +132,9 @@ def test_a_batch_needs_send_scope_for_every_conversation_and_known_conversations
         ledger = broker.begin_dialog(c, "ledger", factories.WAREHOUSE, factories.CONTRACT)
     with api.client(new_key(engine, "send:shop")) as client:
         assert client.post("/v1/messages", json=_batch([(shop, 1)])).status_code == 200
-        _is_problem(client.post("/v1/messages", json=_batch([(shop, 2), (str(ledger), 1)])), 403, "forbidden")
+        hidden = _is_problem(client.post("/v1/messages", json=_batch([(shop, 2), (str(ledger), 1)])), 404,
+                             "unknown-object")  # the ledger's side: one the key may not see is unknown to it
+        assert hidden["detail"] == f"unknown conversation {ledger}"
         unknown = _is_problem(client.post("/v1/messages", json=_batch([(shop, 2), ("0" * 8 + "-0000-4000-8000-" + "0" * 12, 1)])),
                               404, "unknown-object")
         assert "unknown conversation" in unknown["detail"]
@@ -310,8 +312,14 @@ def test_keys_are_checked_on_every_route(api, engine, admin):
                 _is_problem(response, 401, "unauthorized")
                 assert response.headers["www-authenticate"] == "Bearer"
     with api.client(new_key(engine, "send:someone-else", "receive:elsewhere")) as stranger:
-        for method, path, body in routes:
-            _is_problem(stranger.request(method, path, json=body), 403, "forbidden")
+        for method, path, body in routes:  # a handle or lock of another scope is as unknown (test_unseen_objects)
+            refused = stranger.request(method, path, json=body)
+            if handle in path or path.endswith("/dead-letter"):  # a dead-letter's handle is looked at first
+                _is_problem(refused, 404, "unknown-object")
+            elif lock in path:
+                assert _is_problem(refused, 409, "lock-lost")["reason"] == "unknown"
+            else:
+                _is_problem(refused, 403, "forbidden")
     with engine.connect() as connection:
         assert connection.execute(text("SELECT count(*) FROM broker.leases")).scalar() == 1  # nothing applied
 
@@ -327,7 +335,7 @@ def test_scopes_grant_exactly_their_service_or_queue(api, engine):
         target = lock["messages"][0]["conversation_handle"]
         assert receiver.post(f"/v1/locks/{lock['lock_token']}/complete").status_code == 200
         assert receiver.get(f"/v1/conversations/{target}").status_code == 200
-        _is_problem(receiver.get(f"/v1/conversations/{handle}"), 403, "forbidden")  # the shop's side
+        _is_problem(receiver.get(f"/v1/conversations/{handle}"), 404, "unknown-object")  # the shop's side
         assert receiver.post(f"/v1/conversations/{target}/end").status_code == 200
 
 

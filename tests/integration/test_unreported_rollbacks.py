@@ -138,11 +138,22 @@ def test_a_rollback_of_a_retention_queue_is_counted_and_a_committed_one_is_not(e
     assert _count(engine) == 0
 
 
-def test_bad_arguments_are_refused(engine, orders):
+@pytest.mark.parametrize("arguments, message", [
+    ("max_messages => NULL", "max_messages must not be null"),
+    ("max_messages => -1", "max_messages must be zero or more, got -1"),
+    ("grace => NULL", "grace must be zero or more, got NULL"),
+    ("grace => interval '-1 s'", "grace must be zero or more, got -00:00:01"),
+])
+def test_bad_arguments_are_refused(engine, orders, arguments, message):
+    """A negative grace would count a rollback that just happened; a NULL one would silently count nothing."""
+    notes_waiting(engine, "just rolled back")
+    _receive_and_roll_back(engine)
     with engine.connect() as connection:
         with pytest.raises(Exception) as refused:
-            connection.execute(text("SELECT broker.count_unreported_rollbacks(max_messages => NULL)"))
+            connection.execute(text(f"SELECT broker.count_unreported_rollbacks({arguments})"))
         assert refused.value.orig.pgcode == "BR050"
+        assert message in refused.value.orig.diag.message_primary
+    assert _attempts(engine) == [0]
 
 
 def test_a_running_node_ends_a_readers_endless_rollbacks(nodes):

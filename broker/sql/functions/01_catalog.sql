@@ -348,11 +348,70 @@ BEGIN
     DELETE FROM broker.services WHERE service_id = s.service_id;
 END $$;
 
+-- Whether the operator lets routes reach link-local and cloud metadata
+-- addresses: the setting broker.allow_metadata_addresses, off unless set
+-- (ALTER DATABASE ... SET, or ALTER ROLE ... SET, for new sessions).
+CREATE OR REPLACE FUNCTION broker._metadata_addresses_allowed() RETURNS boolean
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN coalesce(nullif(current_setting('broker.allow_metadata_addresses', true), '')::boolean, false);
+EXCEPTION WHEN invalid_text_representation THEN
+    PERFORM broker._raise('BR050', format('broker.allow_metadata_addresses must be on or off, got %L',
+        current_setting('broker.allow_metadata_addresses', true)));
+END $$;
+GRANT EXECUTE ON FUNCTION broker._metadata_addresses_allowed() TO broker_relay;
+
+-- Link-local addresses and those of cloud metadata services (169.254.169.254
+-- of most clouds, Alibaba's 100.100.100.200, AWS's fd00:ec2::254), also
+-- written as IPv4-mapped or NAT64 IPv6 addresses.  The relay refuses the
+-- same networks when it connects (broker/transport/addresses.py).
+CREATE OR REPLACE FUNCTION broker._metadata_address(address inet) RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT EXISTS (SELECT FROM unnest('{169.254.0.0/16, 100.100.100.200/32, fe80::/10, fd00:ec2::254/128,
+                                        ::ffff:169.254.0.0/112, ::ffff:100.100.100.200/128,
+                                        64:ff9b::169.254.0.0/112, 64:ff9b::100.100.100.200/128}'::cidr[]) network
+                   WHERE address <<= network)
+$$;
+
+-- Refuses a route's host that is a link-local or cloud metadata address or
+-- name (unless allowed), and an IPv4 address written other than as four
+-- decimal numbers (2852039166, 0xa9fea9fe, 0251.0376.0251.0376 and the like,
+-- which resolvers read as 169.254.169.254), whatever is allowed.
+CREATE OR REPLACE FUNCTION broker._check_route_host(host text) RETURNS void
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    literal inet;
+BEGIN
+    IF host ~ '(^|\.)([0-9]+|0[xX][0-9A-Fa-f]*)$'
+       AND host !~ '^((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])$' THEN
+        PERFORM broker._raise('BR050', format('route host %s ends in a number but is not an IPv4 address written as '
+            'four decimal numbers 0-255 without leading zeros', host), 'write the address as, e.g., 192.0.2.10');
+    END IF;
+    IF broker._metadata_addresses_allowed() THEN
+        RETURN;
+    END IF;
+    IF host ~ '^\[' OR host ~ '^[0-9.]+$' THEN
+        BEGIN
+            literal := trim(host, '[]')::inet;
+        EXCEPTION WHEN invalid_text_representation THEN
+            PERFORM broker._raise('BR050', format('route host %s is not an IP address', host));
+        END;
+    END IF;
+    IF broker._metadata_address(literal)
+       OR lower(host) IN ('metadata', 'metadata.google.internal', 'metadata.goog', 'instance-data',
+                          'instance-data.ec2.internal', 'metadata.tencentyun.com') THEN
+        PERFORM broker._raise('BR050', format('route host %s is a link-local or cloud metadata address: a route does '
+            'not reach it unless the operator allows it', host),
+            'to allow it: ALTER DATABASE <database> SET broker.allow_metadata_addresses = on');
+    END IF;
+END $$;
+
 -- Routes name plain http(s) URLs: a host (a name, an IPv4 address or a
 -- bracketed IPv6 address), an optional port and an optional path; no
 -- credentials (the route's secret authenticates the peer), no query, no
 -- fragment.  The address is checked part by part, and the error says what an
--- address may hold.
+-- address may hold; a link-local or metadata host is refused unless allowed
+-- (broker._check_route_host).
 CREATE OR REPLACE FUNCTION broker.create_route(service_name text, address text, broker_instance uuid, secret text)
 RETURNS void
 LANGUAGE plpgsql AS $$
@@ -364,6 +423,7 @@ BEGIN
         PERFORM broker._raise('BR050', format('route address must be an http:// or https:// URL of a host, with an '
             'optional port and path and without credentials, query or fragment; got %s', left(quote_nullable(address), 200)));
     END IF;
+    PERFORM broker._check_route_host(substring(address FROM '^https?://(\[[^]]*\]|[^:/]*)'));
     PERFORM broker._require('broker_instance', broker_instance);
     IF secret IS NULL OR length(secret) < 16 THEN
         PERFORM broker._raise('BR050', 'the route''s secret must have at least 16 characters');

@@ -79,6 +79,13 @@ DECLARE
     e broker.endpoints;
     message broker.queue_messages;
 BEGIN
+    IF grace IS NULL OR grace < interval '0' THEN
+        PERFORM broker._raise('BR050', format('grace must be zero or more, got %s', coalesce(grace::text, 'NULL')),
+            'a failure is counted once a receive has ended without a report for this long');
+    END IF;
+    IF max_messages < 0 THEN
+        PERFORM broker._raise('BR050', format('max_messages must be zero or more, got %s', max_messages));
+    END IF;
     WITH heads AS (
         SELECT h.*
         FROM broker.queues q,

@@ -48,19 +48,14 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION broker._free_of_lease(broker.queues,uuid) TO broker_relay;
 
--- Raises BR060 for a lock that is not live, saying why: its DETAIL is one of
--- expired, completed, abandoned, purged, dead_lettered or unknown (never made,
--- or ended more than an hour ago), for a client to act on.
-CREATE OR REPLACE FUNCTION broker._lock_lost(lock_token uuid) RETURNS void
+-- Raises BR060 for a lock lost the way how says, at ended: its DETAIL is one
+-- of expired, completed, abandoned, purged, dead_lettered or unknown (how
+-- NULL: never made, or ended more than an hour ago), for a client to act on.
+-- The REST API answers a lock of a queue its key may not receive from as
+-- unknown, so that the key learns nothing of it.
+CREATE OR REPLACE FUNCTION broker._refuse_lost_lock(lock_token uuid, how text, ended timestamptz) RETURNS void
 LANGUAGE plpgsql AS $$
-DECLARE
-    how text;
-    ended timestamptz;
 BEGIN
-    SELECT 'expired', l.expires_at INTO how, ended FROM broker.leases l WHERE l.lock_token = _lock_lost.lock_token;
-    IF NOT FOUND THEN
-        SELECT e.how, e.ended_at INTO how, ended FROM broker.ended_leases e WHERE e.lock_token = _lock_lost.lock_token;
-    END IF;
     RAISE EXCEPTION USING ERRCODE = 'BR060', DETAIL = coalesce(how, 'unknown'),
         MESSAGE = format('lock %s is lost: %s', lock_token, CASE how
             WHEN 'expired' THEN format('it expired at %s', ended)
@@ -76,6 +71,21 @@ BEGIN
             WHEN 'dead_lettered' THEN 'that conversation''s messages are in broker.dead_letters; the others came back'
             ELSE 'receive again: messages not completed come back with a higher delivery_count; '
                  'renew a lock before it expires to hold it longer' END;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._refuse_lost_lock(uuid,text,timestamp with time zone) TO broker_relay;
+
+-- Raises BR060 for a lock that is not live, saying why (broker._refuse_lost_lock).
+CREATE OR REPLACE FUNCTION broker._lock_lost(lock_token uuid) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    how text;
+    ended timestamptz;
+BEGIN
+    SELECT 'expired', l.expires_at INTO how, ended FROM broker.leases l WHERE l.lock_token = _lock_lost.lock_token;
+    IF NOT FOUND THEN
+        SELECT e.how, e.ended_at INTO how, ended FROM broker.ended_leases e WHERE e.lock_token = _lock_lost.lock_token;
+    END IF;
+    PERFORM broker._refuse_lost_lock(lock_token, how, ended);
 END $$;
 GRANT EXECUTE ON FUNCTION broker._lock_lost(uuid) TO broker_relay;
 
