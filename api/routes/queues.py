@@ -150,7 +150,7 @@ class PurgeDeadLetters(BaseModel):
         "only those dead-lettered longer ago than this"))
 
 
-class WaitingMessage(BaseModel):
+class BrowsedMessage(BaseModel):
     """A message waiting in a queue, as a browse shows it: its place, its conversation, and the head of its body."""
 
     queue_position: int
@@ -349,12 +349,12 @@ def get_queue_status(queue: NamePath, key: Key, db: Database) -> QueueStatus:
     return QueueStatus(**row._mapping)
 
 
-@router.get("/v1/queues/{queue}/messages", response_model=list[WaitingMessage],
+@router.get("/v1/queues/{queue}/messages", response_model=list[BrowsedMessage],
             summary="Look at the messages waiting in a queue, without receiving them",
             responses=error_responses(404, 422))
 def browse_queue(queue: NamePath, key: Key, db: Database,
-                 limit: int = Query(20, ge=1, le=100), offset: int = Query(0, ge=0, le=2**62)) -> list[WaitingMessage]:
-    """The queue's waiting messages in the order receive takes them (priority, then arrival), each with the
+                 limit: int = Query(20, ge=1, le=100), offset: int = Query(0, ge=0, le=2**62)) -> list[BrowsedMessage]:
+    """The queue's waiting messages, the highest priority first and then the oldest, each with the
     first 1,024 bytes of its body: a look that takes no lock and consumes nothing, so a message shown here may
     be received a moment later (needs the admin scope; recorded in the node's log)."""
     with audit.action(key, "browse", f"queue {queue!r}") as outcome:
@@ -364,11 +364,11 @@ def browse_queue(queue: NamePath, key: Key, db: Database,
             if queue_id is None:
                 raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
             rows = queries.waiting_messages(connection, queue_id, limit, offset, PREVIEW_BYTES)
-        outcome.done = f"{len(rows)} waiting messages shown"
+        outcome.done = f"waiting messages shown: {len(rows)}"
     return [_waiting_message(row) for row in rows]
 
 
-def _waiting_message(row) -> WaitingMessage:
+def _waiting_message(row) -> BrowsedMessage:
     head = None if row.body_head is None else bytes(row.body_head)
     truncated = (row.body_bytes or 0) > PREVIEW_BYTES
     try:  # a cut body may end inside a character: the incremental decoder leaves it out
@@ -376,7 +376,7 @@ def _waiting_message(row) -> WaitingMessage:
     except UnicodeDecodeError:
         preview = None
     fields = {name: value for name, value in row._mapping.items() if name != "body_head"}
-    return WaitingMessage(**fields, sequence_number=row.message_sequence_number, body_preview=preview,
+    return BrowsedMessage(**fields, sequence_number=row.message_sequence_number, body_preview=preview,
                           body_preview_base64=base64.b64encode(head).decode() if head and preview is None else None,
                           body_truncated=truncated)
 
@@ -390,7 +390,7 @@ def purge_queue(queue: NamePath, key: Key, db: Database) -> Purged:
         require(key, "admin")
         with db.begin() as connection:
             purged = broker.purge_queue(connection, queue)
-        outcome.done = f"{purged} waiting messages deleted"
+        outcome.done = f"waiting messages deleted: {purged}"
     return Purged(purged=purged)
 
 
@@ -422,7 +422,7 @@ def resubmit_dead_letters(queue: NamePath, resubmit: Resubmit, key: Key, db: Dat
         require(key, "admin")
         with db.begin() as connection:
             resubmitted = broker.resubmit_dead_letters(connection, queue, handle)
-        outcome.done = f"{resubmitted} dead letters put back in order"
+        outcome.done = f"dead letters put back in order: {resubmitted}"
     return Resubmitted(resubmitted=resubmitted)
 
 
@@ -439,5 +439,5 @@ def purge_dead_letters(queue: NamePath, key: Key, db: Database,
         require(key, "admin")
         with db.begin() as connection:
             purged = broker.purge_dead_letters(connection, queue, older_than)
-        outcome.done = f"{purged} dead letters deleted"
+        outcome.done = f"dead letters deleted: {purged}"
     return Purged(purged=purged)

@@ -227,13 +227,13 @@ def test_an_operator_browses_resubmits_purges_and_ends_a_conversation_from_the_c
         node.stop()
     log = node.log.read_text()
     who = f"INFO api.audit: key 'ops' ({admin.split('_')[1]})"
-    for line in (f"{who} browse queue 'warehouse_queue': 6 waiting messages shown",
+    for line in (f"{who} browse queue 'warehouse_queue': waiting messages shown: 6",
                  f"{who} end with error 42 conversation {stuck}: ended, now closed",
                  f"{who} end with error 42 conversation {stuck}: refused, 409 conversation-state (BR020)",
                  f"{who} resubmit the dead letters of conversation {resubmitted} in queue 'warehouse_queue': "
-                 "1 dead letters put back in order",
-                 f"{who} purge the dead letters of queue 'warehouse_queue': 1 dead letters deleted",
-                 f"{who} purge queue 'warehouse_queue': 4 waiting messages deleted"):
+                 "dead letters put back in order: 1",
+                 f"{who} purge the dead letters of queue 'warehouse_queue': dead letters deleted: 1",
+                 f"{who} purge queue 'warehouse_queue': waiting messages deleted: 4"):
         assert log.count(line) == 1, (line, log)
     assert admin.split("_")[2] not in log and reader.split("_")[2] not in log
 

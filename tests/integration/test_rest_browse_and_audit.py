@@ -40,7 +40,7 @@ def _send(engine, *messages):
     return handle
 
 
-def test_browsing_shows_waiting_messages_in_receive_order_and_neither_locks_nor_consumes(api, engine, admin_key):
+def test_browsing_shows_waiting_messages_by_priority_then_age_and_neither_locks_nor_consumes(api, engine, admin_key):
     handle = _send(engine, ("order.submit", '{"sku": 1}'), ("order.note", "second"))
     with engine.begin() as connection:
         broker.send(connection, factories.begin(connection), "order.note", "third")
@@ -118,15 +118,15 @@ def test_every_operator_action_is_one_line_in_the_node_log_naming_the_key_never_
     who = f"key 'ops on call' ({key_id})"
     lines = audit()
     assert lines == [
-        f"{who} browse queue 'warehouse_queue': 2 waiting messages shown",
+        f"{who} browse queue 'warehouse_queue': waiting messages shown: 2",
         f"{who} resubmit the dead letters of conversation {poisoned} in queue 'warehouse_queue': "
-        "1 dead letters put back in order",
+        "dead letters put back in order: 1",
         f"{who} resubmit the dead letters of conversation {conversing} in queue 'warehouse_queue': "
         "refused, 409 conversation-state (BR020)",
         f"{who} end with error 42 conversation {stuck}: ended, now closed",
-        f"{who} purge queue 'warehouse_queue': {purged} waiting messages deleted",
-        f"{who} purge the dead letters of queue 'warehouse_queue' dead-lettered over 3600 s ago: 0 dead letters "
-        "deleted",
+        f"{who} purge queue 'warehouse_queue': waiting messages deleted: {purged}",
+        f"{who} purge the dead letters of queue 'warehouse_queue' dead-lettered over 3600 s ago: dead letters "
+        "deleted: 0",
         f"key 'reader' ({reader_key.split('_')[1]}) purge queue 'warehouse_queue': refused, 403 forbidden",
     ]
     assert not any(admin_key.split("_")[2] in line or reader_key.split("_")[2] in line for line in lines)
