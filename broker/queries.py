@@ -282,6 +282,29 @@ def endpoints_named(connection: Connection, handles: list[UUID]) -> dict[UUID, R
     return {row.conversation_handle: row for row in rows}
 
 
+# The messages waiting in a queue, in the order receive takes them, each with the head of its body: a look that
+# takes no lock and consumes nothing (the console's browse, GET /v1/queues/{queue}/messages).
+WAITING_MESSAGES = text("""
+    SELECT m.queue_position, m.conversation_handle, m.conversation_id, m.conversation_group_id,
+           m.message_sequence_number, mt.name AS message_type, m.priority, m.enqueued_at, m.delivery_count,
+           m.failed_attempts, l.expires_at AS locked_until, octet_length(m.body) AS body_bytes,
+           substring(m.body FROM 1 FOR :head_bytes) AS body_head
+    FROM broker.queue_messages m
+    JOIN broker.message_types mt USING (message_type_id)
+    LEFT JOIN broker.leases l ON l.conversation_group_id = m.conversation_group_id
+                             AND m.queue_position = ANY (l.queue_positions) AND l.expires_at > now()
+    WHERE m.queue_id = :queue_id AND m.received_at IS NULL
+    ORDER BY m.priority DESC, m.queue_position
+    LIMIT :limit OFFSET :offset
+""")
+
+
+def waiting_messages(connection: Connection, queue_id: int, limit: int, offset: int, head_bytes: int) -> list[Row]:
+    """A queue's waiting messages, with the first head_bytes of each body and its whole size."""
+    return connection.execute(WAITING_MESSAGES, {"queue_id": queue_id, "limit": limit, "offset": offset,
+                                                 "head_bytes": head_bytes}).all()
+
+
 def open_endpoints(connection: Connection) -> int:
     return connection.execute(OPEN_ENDPOINTS).scalar_one()
 
@@ -388,7 +411,7 @@ INGESTS = text(
     " l.lag_messages, l.lag_s"
     " FROM broker.ingests i JOIN broker.ingest_lag() l USING (queue_name, output) ORDER BY queue_name, output")
 LATEST_DEAD_LETTERS = text(
-    "SELECT queue_name, conversation_id, message_sequence_number, message_type, reason, dead_lettered_at"
+    "SELECT queue_name, conversation_id, conversation_handle, message_sequence_number, message_type, reason, dead_lettered_at"
     " FROM broker.dead_letters ORDER BY dead_letter_id DESC LIMIT :limit")
 
 

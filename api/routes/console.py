@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse
 from prometheus_client import Counter
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from api.auth import require
 from api.deps import AdminKey, Database, Key, NodeSettings
@@ -100,6 +100,7 @@ class Ingest(BaseModel):
 class DeadLetter(BaseModel):
     queue_name: str
     conversation_id: UUID
+    conversation_handle: UUID = Field(description="the quarantined side in this queue: resubmit with it")
     message_sequence_number: int
     message_type: str
     reason: str

@@ -1,4 +1,5 @@
 """/v1/conversations: begin, look at, send on and end conversations."""
+from contextlib import nullcontext
 from datetime import datetime, timedelta
 from typing import Any, Literal
 from uuid import UUID
@@ -8,7 +9,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 from sqlalchemy import Connection
 
 import broker
-from api import bodies, visibility
+from api import audit, bodies, visibility
 from api.auth import require
 from api.deps import Database, Key
 from api.problems import KEYED, READS_BODY, error_responses
@@ -239,12 +240,19 @@ def send_messages(batch: SendMessages, key: Key, db: Database, traceparent: str 
 @router.post("/{conversation_handle}/end", response_model=Conversation, summary="End a conversation",
              responses=error_responses(404, 409, *READS_BODY))
 def end_conversation(conversation_handle: UUID, key: Key, db: Database, end: EndConversation | None = None) -> Any:
+    """Ends this side: the far side gets broker.end_dialog, or broker.error with the error's code and description
+    (an end with an error is recorded in the node's log, as the operator's way out of a stuck conversation)."""
     end = end or EndConversation()
-    with db.begin() as connection:
-        _sending_endpoint(connection, key, conversation_handle)
-        broker.end_conversation(connection, conversation_handle, error_code=end.error_code,
-                                error_description=end.error_description)
-        return queries.endpoint(connection, conversation_handle)._asdict()
+    recorded = (audit.action(key, f"end with error {end.error_code}", f"conversation {conversation_handle}")
+                if end.error_code is not None else nullcontext(audit.Outcome()))
+    with recorded as outcome:
+        with db.begin() as connection:
+            _sending_endpoint(connection, key, conversation_handle)
+            broker.end_conversation(connection, conversation_handle, error_code=end.error_code,
+                                    error_description=end.error_description)
+            side = queries.endpoint(connection, conversation_handle)._asdict()
+        outcome.done = f"ended, now {side['state']}"
+    return side
 
 
 @router.post("/{conversation_handle}/move", response_model=Conversation, summary="Move a conversation to another group",

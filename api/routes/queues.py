@@ -7,6 +7,8 @@ letting the lock expire, hands them out again with a higher delivery_count
 and counts toward the queue's poison threshold.
 """
 import asyncio
+import base64
+import codecs
 import time
 from datetime import datetime, timedelta
 from typing import Any
@@ -18,7 +20,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import broker
-from api import bodies, visibility
+from api import audit, bodies, visibility
 from api.auth import require
 from api.deps import AdminKey, Database, Key, NodeSettings
 from api.problems import KEYED, READS_BODY, Problem, error_responses
@@ -28,6 +30,8 @@ from broker.metrics import API_ABANDONED, API_COMPLETED, API_RECEIVED
 
 router = APIRouter(tags=["queues"], responses=error_responses(*KEYED), dependencies=[Depends(known_query_parameters)])
 
+# A browse shows this much of each body, and says its whole size.
+PREVIEW_BYTES = 1024
 # A waiting reader looks again at least this often, for locks that expire and
 # timers that fall due: neither sends a notification.
 LOOK_AGAIN_S = 1.0
@@ -143,6 +147,28 @@ class PurgeDeadLetters(BaseModel):
 
     older_than_s: Number | None = Field(None, ge=0, le=100 * 365 * 86400, description=(
         "only those dead-lettered longer ago than this"))
+
+
+class BrowsedMessage(BaseModel):
+    """A message waiting in a queue, as a browse shows it: its place, its conversation, and the head of its body."""
+
+    queue_position: int
+    conversation_handle: UUID = Field(description="the receiving side's handle")
+    conversation_id: UUID
+    conversation_group_id: UUID
+    sequence_number: int = Field(description="0 for a local notice")
+    message_type: str
+    priority: int
+    enqueued_at: datetime
+    delivery_count: int = Field(description="how many times it was handed out under a lock")
+    failed_attempts: int
+    locked_until: datetime | None = Field(description="while a reader holds it under a lock: until when")
+    body_bytes: int | None = Field(description="the whole body's size; null for a message without a body")
+    body_preview: str | None = Field(description=f"the body's first {PREVIEW_BYTES:,} bytes as text, when they are "
+                                                 "UTF-8 (a character cut at the end left out)")
+    body_preview_base64: str | None = Field(description=f"the body's first {PREVIEW_BYTES:,} bytes in base64, when "
+                                                        "they are not UTF-8 text")
+    body_truncated: bool = Field(description=f"true when the body is longer than {PREVIEW_BYTES:,} bytes")
 
 
 class QueueStatus(BaseModel):
@@ -314,14 +340,49 @@ def get_queue_status(queue: NamePath, key: Key, db: Database) -> QueueStatus:
     return QueueStatus(**row._mapping)
 
 
+@router.get("/v1/queues/{queue}/messages", response_model=list[BrowsedMessage],
+            summary="Look at the messages waiting in a queue, without receiving them",
+            responses=error_responses(404, 422))
+def browse_queue(queue: NamePath, key: Key, db: Database,
+                 limit: int = Query(20, ge=1, le=100), offset: int = Query(0, ge=0, le=2**62)) -> list[BrowsedMessage]:
+    """The queue's waiting messages, the highest priority first and then the oldest, each with the
+    first 1,024 bytes of its body: a look that takes no lock and consumes nothing, so a message shown here may
+    be received a moment later (needs the admin scope; recorded in the node's log)."""
+    with audit.action(key, "browse", f"queue {queue!r}") as outcome:
+        require(key, "admin")
+        with db.connect() as connection:
+            queue_id = queries.queue_id(connection, queue)
+            if queue_id is None:
+                raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
+            rows = queries.waiting_messages(connection, queue_id, limit, offset, PREVIEW_BYTES)
+        outcome.done = f"waiting messages shown: {len(rows)}"
+    return [_waiting_message(row) for row in rows]
+
+
+def _waiting_message(row) -> BrowsedMessage:
+    head = None if row.body_head is None else bytes(row.body_head)
+    truncated = (row.body_bytes or 0) > PREVIEW_BYTES
+    try:  # a cut body may end inside a character: the incremental decoder leaves it out
+        preview = None if head is None else codecs.getincrementaldecoder("utf-8")().decode(head, final=not truncated)
+    except UnicodeDecodeError:
+        preview = None
+    fields = {name: value for name, value in row._mapping.items() if name != "body_head"}
+    return BrowsedMessage(**fields, sequence_number=row.message_sequence_number, body_preview=preview,
+                          body_preview_base64=base64.b64encode(head).decode() if head and preview is None else None,
+                          body_truncated=truncated)
+
+
 @router.post("/v1/queues/{queue}/purge", response_model=Purged, summary="Delete every message waiting in a queue",
              responses=error_responses(404, 422))
 def purge_queue(queue: NamePath, key: Key, db: Database) -> Purged:
     """Deletes every message waiting in the queue and ends its locks (needs the admin scope). The
     conversations go on without those messages."""
-    require(key, "admin")
-    with db.begin() as connection:
-        return Purged(purged=broker.purge_queue(connection, queue))
+    with audit.action(key, "purge", f"queue {queue!r}") as outcome:
+        require(key, "admin")
+        with db.begin() as connection:
+            purged = broker.purge_queue(connection, queue)
+        outcome.done = f"waiting messages deleted: {purged}"
+    return Purged(purged=purged)
 
 
 @router.get("/v1/queues/{queue}/dead-letters", response_model=list[DeadLetterMessage],
@@ -347,9 +408,13 @@ def _dead_letter_json(letter) -> str:
 def resubmit_dead_letters(queue: NamePath, resubmit: Resubmit, key: Key, db: Database) -> Resubmitted:
     """Puts a quarantined conversation's dead letters back into the queue, in order, to be processed again
     (needs the admin scope); only while that side is in error, not yet ended."""
-    require(key, "admin")
-    with db.begin() as connection:
-        return Resubmitted(resubmitted=broker.resubmit_dead_letters(connection, queue, resubmit.conversation_handle))
+    handle = resubmit.conversation_handle
+    with audit.action(key, "resubmit the dead letters of", f"conversation {handle} in queue {queue!r}") as outcome:
+        require(key, "admin")
+        with db.begin() as connection:
+            resubmitted = broker.resubmit_dead_letters(connection, queue, handle)
+        outcome.done = f"dead letters put back in order: {resubmitted}"
+    return Resubmitted(resubmitted=resubmitted)
 
 
 @router.post("/v1/queues/{queue}/dead-letters/purge", response_model=Purged, summary="Delete a queue's dead letters",
@@ -358,8 +423,12 @@ def purge_dead_letters(queue: NamePath, key: Key, db: Database,
                        options: PurgeDeadLetters | None = None) -> Purged:
     """Deletes the queue's dead letters, or those dead-lettered longer ago than older_than_s (needs the admin
     scope)."""
-    require(key, "admin")
     options = options or PurgeDeadLetters()
     older_than = None if options.older_than_s is None else timedelta(seconds=options.older_than_s)
-    with db.begin() as connection:
-        return Purged(purged=broker.purge_dead_letters(connection, queue, older_than))
+    which = "" if older_than is None else f" dead-lettered over {options.older_than_s:g} s ago"
+    with audit.action(key, "purge the dead letters of", f"queue {queue!r}{which}") as outcome:
+        require(key, "admin")
+        with db.begin() as connection:
+            purged = broker.purge_dead_letters(connection, queue, older_than)
+        outcome.done = f"dead letters deleted: {purged}"
+    return Purged(purged=purged)

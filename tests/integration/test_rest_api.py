@@ -293,6 +293,7 @@ def test_keys_are_checked_on_every_route(api, engine, admin):
               ("post", f"/v1/conversations/{handle}/move", {"conversation_group": handle}),
               ("post", "/v1/queues/warehouse_queue/purge", None),
               ("get", "/v1/queues/warehouse_queue/dead-letters", None),
+              ("get", "/v1/queues/warehouse_queue/messages", None),
               ("post", "/v1/queues/warehouse_queue/dead-letters/purge", None),
               ("post", "/v1/queues/warehouse_queue/dead-letters/resubmit", {"conversation_handle": handle}),
               ("post", f"/v1/locks/{lock}/dead-letter", {"conversation_handle": handle, "reason": "x"}),
@@ -507,7 +508,8 @@ def test_the_openapi_document_shows_every_route_with_examples(api):
             "/v1/message-types", "/v1/contracts", "/v1/services", "/v1/routes", "/healthz", "/readyz",
             "/metrics", "/v1/locks/{lock_token}/state", "/v1/locks/{lock_token}/dead-letter",
             "/v1/queues/{queue}/dead-letters", "/v1/queues/{queue}/dead-letters/resubmit",
-            "/v1/queues/{queue}/dead-letters/purge", "/v1/broker-priorities", "/v1/diagnose"} <= paths
+            "/v1/queues/{queue}/dead-letters/purge", "/v1/queues/{queue}/messages", "/v1/broker-priorities",
+            "/v1/diagnose"} <= paths
     assert not any(path.startswith("/transport") for path in paths)
     schemas = document["components"]["schemas"]
     for model in ("BeginConversation", "SendMessage", "ReceiveRequest", "RenewRequest", "MoveConversation",
