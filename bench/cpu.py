@@ -3,7 +3,8 @@
 Every process of both nodes is counted: the relay and the API (with any children), and every process of the
 PostgreSQL server the two databases live on, grouped by what it serves: the sender's backend, A's other
 backends (the relay's lanes), B's backends (the API's accepts), and the server's own processes (WAL writer,
-checkpointer, ...).  The load generator's Python is not part of either node and is left out.
+checkpointer, ...).  The load generator's Python and the benchmark's own sessions that watch the nodes are not
+part of either node and are left out.
 """
 from collections import Counter
 from dataclasses import dataclass
@@ -21,9 +22,10 @@ BACKENDS = "SELECT pid, datname FROM pg_stat_activity WHERE datname IS NOT NULL"
 
 @dataclass(frozen=True)
 class Roles:
-    """The processes of the two nodes: the sender's backend, A's database (by its URL) and B's database name, the
-    relay and the API."""
+    """The processes of the two nodes: the sender's backend, the benchmark's own backends (left out), A's database
+    (by its URL) and B's database name, the relay and the API."""
     sender_backend: int
+    watching_backends: tuple[int, ...]
     a_url: str
     a_database: str
     b_database: str
@@ -36,6 +38,8 @@ class Roles:
         groups = {self.a_database: GROUPS[1], self.b_database: GROUPS[2]}
         used = {}
         for process in psutil.Process(self.sender_backend).parent().children():
+            if process.pid in self.watching_backends:
+                continue
             group = GROUPS[0] if process.pid == self.sender_backend else groups.get(databases.get(process.pid),
                                                                                     GROUPS[3])
             try:

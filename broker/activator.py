@@ -1,7 +1,8 @@
 """Internal activation: a running node calls each activated queue's procedure while the queue has messages.
 
 broker.set_queue_activation declares the procedure (broker/sql/functions/17_activation.sql).  The supervisor
-looks at the activated queues when a message arrives (LISTEN broker_queue) and every POLL_S besides.  For a queue
+looks at the activated queues when a message arrives in one of them (LISTEN broker_queue: an arrival in another
+queue costs nothing more) and every POLL_S besides, on a connection it keeps.  For a queue
 with messages waiting and no reader in this process, it starts one at once; while messages still wait and no
 reader found nothing to take for GROW_AFTER_S, it starts another, up to max_queue_readers.
 
@@ -50,6 +51,9 @@ class Activator:
     def __init__(self, database_url: str):
         self.database_url = database_url
         self.engine = create_engine(database_url, poolclass=NullPool)  # a reader's connection closes with it
+        self.watching = create_engine(database_url, pool_size=1, max_overflow=0, pool_pre_ping=True)
+        # The ids of the activated queues, as the notification of an arrival names them.
+        self.activated: frozenset[str] = frozenset()
         self.lock = threading.Lock()
         self.readers: dict[str, list[threading.Thread]] = {}
         # Per queue: when a reader last started, or last found nothing to take (or ended).
@@ -83,10 +87,12 @@ class Activator:
                 thread.join()
         self._record()
         self.engine.dispose()
+        self.watching.dispose()
 
     def _supervise(self, stop: threading.Event) -> None:
-        with self.engine.connect() as connection:
+        with self.watching.connect() as connection:
             queues = connection.execute(queries.ACTIVATED_QUEUES).all()
+        self.activated = frozenset(str(queue.queue_id) for queue in queues)
         now = time.monotonic()
         with self.lock:
             for queue in queues:
@@ -148,7 +154,7 @@ class Activator:
         with self.lock:
             tallies, self.tallies = self.tallies, {}
         try:
-            with self.engine.begin() as connection:
+            with self.watching.begin() as connection:
                 for queue, tally in tallies.items():
                     connection.execute(queries.RECORD_ACTIVATIONS, {
                         "queue": queue, "activations": tally.activations, "failures": tally.failures,
@@ -163,7 +169,8 @@ class Activator:
                     kept.last_failure = kept.last_failure or tally.last_failure
 
     def _listen(self, stop: threading.Event) -> None:
-        """Wakes the supervisor whenever a message arrives in any queue; a database that goes away is waited for."""
+        """Wakes the supervisor whenever a message arrives in an activated queue; a database that goes away is
+        waited for."""
         while not stop.is_set():
             listener = None
             try:
@@ -174,8 +181,9 @@ class Activator:
                 while not stop.is_set():
                     if select.select([listener], [], [], POLL_S)[0]:
                         listener.poll()
-                        if listener.notifies:
-                            listener.notifies.clear()
+                        arrivals = {notification.payload for notification in listener.notifies}
+                        listener.notifies.clear()
+                        if arrivals & self.activated:
                             self.arrived.set()
             except psycopg2.Error as error:
                 log.warning("cannot listen for arrivals (%s); retrying in a second", str(error).splitlines()[0])

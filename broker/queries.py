@@ -618,7 +618,8 @@ LISTEN_FOR_TRANSMISSIONS = "LISTEN broker_transmission_queue"
 
 # --- Internal activation (broker.activator) -------------------------------------------------------
 
-ACTIVATED_QUEUES = text("SELECT queue_name, max_queue_readers, messages_waiting FROM broker.activated_queues()")
+ACTIVATED_QUEUES = text(
+    "SELECT queue_id, queue_name, max_queue_readers, messages_waiting FROM broker.activated_queues()")
 TAKE_ACTIVATION_SLOT = text("SELECT broker.take_activation_slot(:queue)")
 ACTIVATE = text("SELECT broker.activate(:queue, :slot)")
 # What a node's readers did since it last said, added to the queue's totals.

@@ -107,11 +107,12 @@ BEGIN
 END $$;
 
 -- The queues whose activation is on (and which are enabled), with whether any
--- message waits in them: what a node's supervisor looks at.
+-- message waits in them: what a node's supervisor looks at.  The queue's id is
+-- what the notification of an arrival names (broker_queue).
 CREATE OR REPLACE FUNCTION broker.activated_queues()
-RETURNS TABLE (queue_name text, max_queue_readers integer, messages_waiting boolean)
+RETURNS TABLE (queue_id integer, queue_name text, max_queue_readers integer, messages_waiting boolean)
 LANGUAGE sql STABLE AS $$
-    SELECT q.name, a.max_queue_readers,
+    SELECT q.queue_id, q.name, a.max_queue_readers,
            EXISTS (SELECT 1 FROM broker.queue_messages m WHERE m.queue_id = q.queue_id AND m.received_at IS NULL)
     FROM broker.queue_activation a
     JOIN broker.queues q USING (queue_id)
