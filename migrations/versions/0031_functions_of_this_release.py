@@ -1,6 +1,8 @@
-"""This release's function files: the relay's answer is held to the numbers the batch carried, not to a copy of
-the batch.  No table changes: it applies while nodes of the previous release serve, and their code keeps working
-(broker.apply_transport_results(jsonb) stays for them).
+"""This release's function files: the relay's answer held to the numbers the batch carried rather than to a copy
+of the batch, a service's contracts altered, the ingests' lag, route hosts checked against metadata addresses, the
+rollback count's arguments checked, a lost lock refused alike whoever asks.  No table changes: it applies while
+nodes of the previous release serve, and their code keeps working (broker.apply_transport_results(jsonb) stays
+for them).
 
 Revision ID: 0031
 Revises: 0030
