@@ -9,7 +9,6 @@ from importlib import resources
 from typing import Any, Literal
 from uuid import UUID
 
-import httpx
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse
@@ -24,6 +23,7 @@ from api.types import known_query_parameters
 from broker.cli.diagnose import diagnose
 from broker.cli.status import node_status
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_FAILURES, RELAY_SENT
+from broker.transport.addresses import client_for_peers
 
 router = APIRouter()
 CONSOLE_PAGE = resources.files("api").joinpath("console.html").read_text()
@@ -178,7 +178,7 @@ async def get_diagnose(request: Request, key: Key, db: Database, settings: NodeS
     require(key, "admin")
 
     def run() -> list[Finding]:
-        with db.connect() as connection, httpx.Client(timeout=10, verify=settings.tls_ca() or True) as client:
+        with db.connect() as connection, client_for_peers(connection, 10, settings.tls_ca() or True) as client:
             findings = diagnose(connection, client, request.app.state.schema_head, max_wait_s=max_wait_s,
                                 max_clock_skew_s=settings.max_clock_skew_s)
         return [Finding(**asdict(finding)) for finding in findings]

@@ -507,14 +507,14 @@ def diagnose(as_json: bool = typer.Option(False, "--json", help="print JSON inst
     import dataclasses
     import json
 
-    import httpx
     from rich.table import Table
 
-    from broker.cli.diagnose import diagnose as run_checks
+    from broker.cli.diagnose import counted, diagnose as run_checks
+    from broker.transport.addresses import client_for_peers
 
     settings = Settings()
     with database_engine() as engine, engine.connect() as connection, \
-            httpx.Client(timeout=10, verify=settings.tls_ca() or True) as client:
+            client_for_peers(connection, 10, settings.tls_ca() or True) as client:
         findings = run_checks(connection, client, migrations.head_revision(), max_wait_s=max_wait,
                               max_clock_skew_s=settings.max_clock_skew_s)
     if as_json:
@@ -527,7 +527,7 @@ def diagnose(as_json: bool = typer.Option(False, "--json", help="print JSON inst
         console.print(table)
     errors = sum(finding.level == "error" for finding in findings)
     if not as_json:
-        console.print(f"{errors} problems found" if errors else "no problems found",
+        console.print(f"{counted(errors, 'problem')} found" if errors else "no problems found",
                       style="red" if errors else "green")
     raise typer.Exit(1 if errors else 0)
 

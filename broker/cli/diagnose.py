@@ -69,6 +69,11 @@ class Finding:
     advice: str = ""
 
 
+def counted(count: int, noun: str) -> str:
+    """A count with its noun: "1 message", "2 messages"."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
 def _member(response: httpx.Response, name: str) -> object:
     """A member of a JSON object answer; None when the answer is not one."""
     try:
@@ -109,7 +114,8 @@ def _local_findings(connection: Connection, schema_head: str, max_wait_s: float)
             "error" if destination.attempts >= REFUSING_ATTEMPTS or "HTTP 413" in destination.status
             or "HTTP 415" in destination.status else "warning",
             f"transmission to {destination.address}",
-            f"{destination.messages} messages waiting, up to {destination.attempts} attempts: {destination.status}",
+            f"{counted(destination.messages, 'message')} waiting, up to {counted(destination.attempts, 'attempt')}: "
+            f"{destination.status}",
             refusals[destination.address]))
     for lost in queries.as_dicts(queries.lost_messages(connection, LOST_MESSAGES_SHOWN)):
         level, advice = LOST_MESSAGES_ADVICE[lost["outcome"]]

@@ -9,6 +9,9 @@ import socket
 
 import httpcore
 import httpx
+from sqlalchemy import Connection
+
+from broker import queries
 
 METADATA_NETWORKS = tuple(ipaddress.ip_network(network) for network in (
     "169.254.0.0/16", "100.100.100.200/32", "fe80::/10", "fd00:ec2::254/128",
@@ -57,3 +60,11 @@ def checked_client(connections: CheckedConnections, timeout_s: float, verify) ->
     transport = httpx.HTTPTransport(verify=verify)
     transport._pool._network_backend = connections  # httpx names no network backend of its own
     return httpx.Client(timeout=timeout_s, transport=transport)
+
+
+def client_for_peers(connection: Connection, timeout_s: float, verify) -> httpx.Client:
+    """A checked client for a one-off look at the peers (broker diagnose, GET /v1/diagnose), allowing metadata
+    addresses as the database's setting does now."""
+    connections = CheckedConnections()
+    connections.allow_metadata_addresses = queries.metadata_addresses_allowed(connection)
+    return checked_client(connections, timeout_s, verify)

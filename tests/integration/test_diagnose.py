@@ -125,6 +125,8 @@ def test_a_peer_that_describes_itself_in_nonsense_is_a_finding_not_a_crash(datab
     [malformed] = [f for f in findings if f["check"] == f"node {peer.address}" and f["level"] == "error"]
     assert "malformed" in malformed["finding"] and malformed["advice"]
     assert table.returncode == 1 and "\x1b" not in table.stdout and "Traceback" not in table.stderr
+    errors = sum(finding["level"] == "error" for finding in findings)
+    assert ("1 problem found" if errors == 1 else f"{errors} problems found") in table.stdout
 
 
 def _send_notes(node, count: int) -> None:

@@ -9,6 +9,7 @@ import broker
 from broker import queries
 from broker.errors import InvalidArgument
 from broker.transport import addresses
+from tests.integration.test_diagnose import _diagnose, _diagnose_over_rest
 from tests.nodes import wait_for
 
 SECRET = "a-secret-of-16-chars"
@@ -98,6 +99,12 @@ def test_a_route_whose_name_resolves_to_a_metadata_address_is_not_connected_to_a
                                        " WHERE transmission_status LIKE '%metadata%'"), 30, "the refusal to show")
     assert "2852039166 resolves to 169.254.169.254, a link-local or cloud metadata address" in status
     assert "broker.allow_metadata_addresses" in status
+    # broker diagnose, in the CLI and over REST, looks at the peer through the same checks.
+    _, findings = _diagnose(a)
+    for shown in (findings, _diagnose_over_rest(a)):
+        [node] = [finding for finding in shown if finding["check"] == f"node http://2852039166:{port}"]
+        assert node["finding"].startswith("does not answer: 2852039166 resolves to 169.254.169.254, a link-local "
+                                          "or cloud metadata address"), node
     with a.engine.begin() as c:
         c.execute(text("UPDATE broker.routes SET address = :address WHERE service_name = 'warehouse'"),
                   {"address": b.address})
