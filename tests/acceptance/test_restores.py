@@ -170,8 +170,13 @@ def test_a_receiver_that_went_back_gets_again_what_it_lost_and_its_replies_are_n
         drained(a, b)
         assert lost_messages(a) == sorted([("sent", "resent", 11, 43)] * CONVERSATIONS
                                           + [("received", "renumbered", 5, 14)] * CONVERSATIONS)
-        assert lost_messages(b) == sorted([("received", "resent", 11, 43)] * CONVERSATIONS
-                                          + [("sent", "renumbered", 5, 14)] * CONVERSATIONS)
+        # b records the numbers it lost when a batch shows it the gap.  Whether one does depends on timing: a
+        # batch that comes while b's application holds the conversation (sending its new replies) is answered
+        # with what b holds, so a sends 11 to 43 again before anything past them and b never sees a gap; a's
+        # record of the resend is then the only one.  Either way nothing on b stays missing or lost.
+        b_lost = lost_messages(b)
+        assert [row for row in b_lost if row[0] == "sent"] == [("sent", "renumbered", 5, 14)] * CONVERSATIONS
+        assert {row for row in b_lost if row[0] == "received"} <= {("received", "resent", 11, 43)}
         for node in (a, b):
             code, findings = _diagnose(node)
             assert code == 0, [f for f in findings if f["level"] == "error"]
