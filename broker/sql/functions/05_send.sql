@@ -133,12 +133,13 @@ GRANT EXECUTE ON FUNCTION broker._lock_conversations(uuid[]) TO broker_relay;
 -- that order.  All or nothing, with every check and error of broker.send.
 -- The common case is set-based: conversing conversations within their
 -- lifetime sending a type without validation that their contract allows are
--- locked together (broker._lock_conversations), numbered by one UPDATE, and
--- queued by one INSERT into the transmission queue when their far side is
--- remote, or delivered by one INSERT into the far side's queue when it is
--- local, takes messages and its queue is enabled.  Anything else (a
--- conversation past its lifetime, say, which broker.send refuses) goes through
--- broker.send one message at a time.
+-- locked together (broker._lock_conversations), judged by one statement, and
+-- numbered and queued by another: one INSERT into the transmission queue when
+-- their far side is remote, or into the far side's queue when it is local,
+-- takes messages and its queue is enabled.  Anything else (a conversation past
+-- its lifetime, say, which broker.send refuses) goes through broker.send one
+-- message at a time.  Each statement costs its executor start whatever it
+-- does, which is why the checks and the numbering are not split further.
 CREATE OR REPLACE FUNCTION broker.send_batch(conversation_handles uuid[], message_type text, bodies bytea[] DEFAULT NULL)
 RETURNS bigint[]
 LANGUAGE plpgsql
@@ -147,10 +148,13 @@ AS $$
 DECLARE
     mt broker.message_types := broker._message_type(message_type);
     given integer := cardinality(conversation_handles);
-    plain integer;
+    plain boolean;
+    bodies_fit boolean;
     local_messages integer;
     first_position bigint;
     numbers bigint[];
+    queues integer[];
+    lanes text[];
     trace text := broker._traceparent();  -- checked once, not for each message
 BEGIN
     IF given IS NULL OR array_position(conversation_handles, NULL) IS NOT NULL THEN
@@ -161,33 +165,32 @@ BEGIN
             cardinality(bodies), given));
     END IF;
     PERFORM broker._lock_conversations(conversation_handles);
-    SELECT count(*) INTO plain
-    FROM broker.endpoints e
-    JOIN broker._plain_message_types p
-      ON p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator AND p.message_type_id = mt.message_type_id
-    WHERE e.conversation_handle = ANY (conversation_handles) AND NOT e.far_is_local
-      AND broker._may_send(e.state, e.expires_at);
-    SELECT plain + count(*) INTO plain
-    FROM broker.endpoints e
-    JOIN broker.endpoints far ON far.conversation_id = e.conversation_id AND far.is_initiator <> e.is_initiator
-    JOIN broker.queues q ON q.queue_id = far.queue_id
-    JOIN broker._plain_message_types p
-      ON p.contract_id = e.contract_id AND p.sent_by_initiator = e.is_initiator AND p.message_type_id = mt.message_type_id
-    WHERE e.conversation_handle = ANY (conversation_handles) AND e.far_is_local
-      AND broker._may_send(e.state, e.expires_at)
-      AND far.state IN ('conversing', 'disconnected_inbound') AND far.receive_sequence = e.send_sequence
-      AND q.is_enabled;
-    IF plain < (SELECT count(DISTINCT h) FROM unnest(conversation_handles) h)
-       OR EXISTS (SELECT 1 FROM unnest(bodies) b WHERE octet_length(b) > (SELECT max_message_bytes FROM broker.node)) THEN
+    -- The whole batch judged at once: whether every conversation may send the
+    -- type the common way (a local far side must take it now), whether every
+    -- body fits, and how many messages go to a local far side.
+    SELECT coalesce(bool_and(coalesce(
+               broker._may_send(e.state, e.expires_at)
+               AND (e.contract_id, e.is_initiator) IN (SELECT p.contract_id, p.sent_by_initiator
+                                                       FROM broker._plain_message_types p
+                                                       WHERE p.message_type_id = mt.message_type_id)
+               AND (NOT e.far_is_local
+                    OR (far.state IN ('conversing', 'disconnected_inbound') AND far.receive_sequence = e.send_sequence
+                        AND q.is_enabled)), false)), false),
+           coalesce(sum(g.messages) FILTER (WHERE e.far_is_local), 0),
+           (SELECT coalesce(max(octet_length(b)), 0) FROM unnest(bodies) b) <= (SELECT max_message_bytes FROM broker.node)
+    INTO plain, local_messages, bodies_fit
+    FROM (SELECT h, count(*) AS messages FROM unnest(conversation_handles) h GROUP BY h) g
+    LEFT JOIN broker.endpoints e ON e.conversation_handle = g.h AND e.conversation_handle = ANY (conversation_handles)
+    LEFT JOIN broker.endpoints far
+           ON e.far_is_local AND far.conversation_id = e.conversation_id AND far.is_initiator = NOT e.is_initiator
+    LEFT JOIN broker.queues q ON q.queue_id = far.queue_id;
+    IF NOT (plain AND bodies_fit) THEN
         numbers := '{}';
         FOR i IN 1 .. given LOOP
             numbers := numbers || broker.send(conversation_handles[i], message_type, bodies[i]);
         END LOOP;
         RETURN numbers;
     END IF;
-    SELECT count(*) INTO local_messages
-    FROM unnest(conversation_handles) h JOIN broker.endpoints e ON e.conversation_handle = h AND e.far_is_local
-    WHERE e.conversation_handle = ANY (conversation_handles);
     IF local_messages > 0 THEN
         first_position := broker._next_queue_positions(local_messages);
     END IF;
@@ -212,28 +215,27 @@ BEGIN
                far.conversation_handle, far.conversation_id, n.sequence_number, mt.message_type_id, n.b, far.priority,
                trace
         FROM numbered n
-        JOIN broker.endpoints far ON far.conversation_id = n.conversation_id AND far.is_initiator <> n.is_initiator
+        JOIN broker.endpoints far ON far.conversation_id = n.conversation_id AND far.is_initiator = NOT n.is_initiator
         WHERE n.far_is_local
+        RETURNING queue_id
+    ), sent AS (  -- only the senders' endpoints: a far side, which may send in this batch too, moves on below
+        UPDATE broker.endpoints e SET send_sequence = last.sequence_number
+        FROM (SELECT n.h, max(n.sequence_number) AS sequence_number FROM numbered n GROUP BY n.h) last
+        WHERE e.conversation_handle = last.h
     )
-    SELECT array_agg(n.sequence_number ORDER BY n.k) INTO numbers FROM numbered n;
-    UPDATE broker.endpoints e SET send_sequence = e.send_sequence + c.messages
-    FROM (SELECT h, count(*) AS messages FROM unnest(conversation_handles) h GROUP BY h) c
-    WHERE e.conversation_handle = c.h AND e.conversation_handle = ANY (conversation_handles);
+    SELECT array_agg(n.sequence_number ORDER BY n.k),
+           (SELECT array_agg(DISTINCT d.queue_id) FROM delivered d),
+           array_agg(DISTINCT left(n.h::text, 1)) FILTER (WHERE NOT n.far_is_local)
+    INTO numbers, queues, lanes
+    FROM numbered n;
     IF local_messages > 0 THEN
         UPDATE broker.endpoints far SET receive_sequence = e.send_sequence
         FROM broker.endpoints e
         WHERE e.conversation_handle = ANY (conversation_handles) AND e.far_is_local
-          AND far.conversation_id = e.conversation_id AND far.is_initiator <> e.is_initiator;
-        PERFORM pg_notify('broker_queue', queue_id::text)
-        FROM (SELECT DISTINCT far.queue_id FROM broker.endpoints e
-              JOIN broker.endpoints far ON far.conversation_id = e.conversation_id AND far.is_initiator <> e.is_initiator
-              WHERE e.conversation_handle = ANY (conversation_handles) AND e.far_is_local) queues;
+          AND far.conversation_id = e.conversation_id AND far.is_initiator = NOT e.is_initiator;
     END IF;
-    IF local_messages < given THEN
-        PERFORM pg_notify('broker_transmission_queue', digit)
-        FROM (SELECT DISTINCT left(e.conversation_handle::text, 1) AS digit FROM broker.endpoints e
-              WHERE e.conversation_handle = ANY (conversation_handles) AND NOT e.far_is_local) digits;
-    END IF;
+    PERFORM pg_notify('broker_queue', q::text) FROM unnest(queues) q;
+    PERFORM pg_notify('broker_transmission_queue', lane) FROM unnest(lanes) lane;
     RETURN coalesce(numbers, '{}');
 END $$;
 COMMENT ON FUNCTION broker.send_batch(uuid[], text, bytea[]) IS
