@@ -391,12 +391,15 @@ BEGIN
     ), next_run AS (
         SELECT f.*, row_number() OVER (PARTITION BY f.conversation_handle ORDER BY f.sequence_number) AS k
         FROM fresh f
+    ), plain_types AS MATERIALIZED (  -- the few of the batch's contracts, read once, not probed for each message
+        SELECT p.* FROM broker._plain_message_types p
+        WHERE p.contract_id IN (SELECT t.contract_id FROM unnest(taken) t)
     ), judged AS (
         SELECT r.*, p.message_type_id,
                bool_and(p.name IS NOT NULL AND coalesce(octet_length(r.body), 0) <= limit_bytes)
                    OVER (PARTITION BY r.conversation_handle) AS plain
         FROM next_run r
-        LEFT JOIN broker._plain_message_types p
+        LEFT JOIN plain_types p
                ON p.contract_id = r.contract_id AND p.sent_by_initiator = NOT r.is_initiator
               AND p.name = r.message_type
         WHERE r.sequence_number = r.receive_sequence + r.k
