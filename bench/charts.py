@@ -86,9 +86,12 @@ def _scale(results: list[ScenarioResult], path: Path) -> Path | None:
                      label=f"the target: within {SCALE_FLAT_WITHIN - 1:.0%} of the fastest point")
         axes.plot([point["conversations"] for point in curve], [point["msgs_per_s"] for point in curve], "o-",
                   label=result.scenario)
-        for point in curve:
+        labelled = set()
+        for point in curve:  # a second point at the same number of conversations is labelled below it
+            below = point["conversations"] in labelled
+            labelled.add(point["conversations"])
             axes.annotate(point["label"], (point["conversations"], point["msgs_per_s"]), textcoords="offset points",
-                          xytext=(4, 6), fontsize=8)
+                          xytext=(4, -12 if below else 6), fontsize=8)
     axes.set_xscale("log")
     axes.margins(x=0.1)
     axes.xaxis.set_major_formatter(StrMethodFormatter(THOUSANDS))
