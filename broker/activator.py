@@ -17,17 +17,16 @@ What the calls did (committed, rolled back, the last failure) is added to broker
 RECORD_EVERY_S, for `broker status`, /metrics and the console.
 """
 import logging
-import select
 import threading
 import time
 from dataclasses import dataclass
 
-import psycopg2
 from sqlalchemy import create_engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from broker import queries
+from broker.listening import listen
 
 log = logging.getLogger(__name__)
 
@@ -171,24 +170,9 @@ class Activator:
     def _listen(self, stop: threading.Event) -> None:
         """Wakes the supervisor whenever a message arrives in an activated queue; a database that goes away is
         waited for."""
-        while not stop.is_set():
-            listener = None
-            try:
-                listener = psycopg2.connect(self.database_url)
-                listener.autocommit = True
-                listener.cursor().execute(queries.LISTEN_FOR_ARRIVALS)
-                self.arrived.set()
-                while not stop.is_set():
-                    if select.select([listener], [], [], POLL_S)[0]:
-                        listener.poll()
-                        arrivals = {notification.payload for notification in listener.notifies}
-                        listener.notifies.clear()
-                        if arrivals & self.activated:
-                            self.arrived.set()
-            except psycopg2.Error as error:
-                log.warning("cannot listen for arrivals (%s); retrying in a second", str(error).splitlines()[0])
-                stop.wait(1)
-            finally:
-                if listener is not None:
-                    listener.close()
-        self.arrived.set()
+        listen(self.database_url, queries.LISTEN_FOR_ARRIVALS, stop, POLL_S, self._arrived, "arrivals")
+
+    def _arrived(self, queues: set[str] | None) -> None:
+        """Wakes the supervisor for arrivals in activated queues, or for anything (None)."""
+        if queues is None or queues & self.activated:
+            self.arrived.set()

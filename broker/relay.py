@@ -22,7 +22,6 @@ wait, retried with backoff, until one node is upgraded.
 import io
 import logging
 import random
-import select
 import threading
 import time
 import uuid
@@ -35,6 +34,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.exc import DataError, DBAPIError
 
 from broker import queries, timers, tracing
+from broker.listening import listen
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_BATCH_SECONDS, RELAY_FAILURES, RELAY_SENT
 from broker.transport import wire
 from broker.transport.addresses import CheckedConnections, checked_client
@@ -157,25 +157,8 @@ class Relay:
         A database that goes away is waited for; every lane is woken when listening starts again,
         for whatever was committed meanwhile.
         """
-        while not stop.is_set():
-            listener = None
-            try:
-                listener = psycopg2.connect(self.database_url)
-                listener.autocommit = True
-                listener.cursor().execute(queries.LISTEN_FOR_TRANSMISSIONS)
-                self._wake({""})
-                while not stop.is_set():
-                    if select.select([listener], [], [], IDLE_WAKE_S)[0]:
-                        listener.poll()
-                        self._wake({notification.payload for notification in listener.notifies})
-                        listener.notifies.clear()
-            except psycopg2.Error as error:
-                log.warning("cannot listen for new messages (%s); retrying in a second", str(error).splitlines()[0])
-                stop.wait(1)
-            finally:
-                if listener is not None:
-                    listener.close()
-        self._wake({""})
+        listen(self.database_url, queries.LISTEN_FOR_TRANSMISSIONS, stop, IDLE_WAKE_S,
+               lambda payloads: self._wake({""} if payloads is None else payloads), "new messages")
 
     def _wake(self, payloads: set[str]) -> None:
         for lane in self.lanes:
