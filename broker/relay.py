@@ -53,6 +53,10 @@ DESTINATIONS_REFRESH_S = 1.0
 # messages that waited longer than their peer remembers are withheld.
 FORGET_EVERY_S = 60.0
 
+# A destination is asked this often whether it still holds the last number it acknowledged of a conversation the
+# lane sent to lately (broker.probe_conversation): a database that went back is found with nothing more to send.
+PROBE_EVERY_S = 60.0
+
 # A message that a destination refuses as too large on its own is tried again this often (its limit may be raised).
 OVERSIZED_RETRY_S = 60.0
 # The wire version a destination takes is asked again this often: it may have been upgraded meanwhile.
@@ -187,6 +191,8 @@ class Lane:
         self.retry_at: dict[str, float] = {}
         # Per destination that refused a batch as too large: the byte budget learned from it.
         self.learned_batch_bytes: dict[str, int] = {}
+        # Per destination: a conversation side of the last batch it answered, and when to ask about it.
+        self.probes: dict[str, tuple[tuple[str, bool], float]] = {}
         self.forget_at = 0.0
         self.destinations: list = []
         self.destinations_at = 0.0
@@ -248,8 +254,18 @@ class Lane:
             if wait_s > 0:
                 idle_s = min(idle_s, wait_s)
             elif self._holds_lock(destination.address):
+                self._probe(destination.address)
                 self._relay_to(destination)
         return idle_s
+
+    def _probe(self, address: str) -> None:
+        """Every PROBE_EVERY_S, asks the destination again for the last number it acknowledged of a conversation
+        side of its last answered batch; the batches that follow carry the question."""
+        side, due_at = self.probes.get(address, (None, 0.0))
+        if side is not None and time.monotonic() >= due_at:
+            self.connection.execute(queries.PROBE_CONVERSATION, {"conversation": side[0], "by_initiator": side[1]})
+            self.connection.commit()
+            self.probes[address] = (side, time.monotonic() + PROBE_EVERY_S)
 
     def _holds_lock(self, address: str) -> bool:
         """Whether this lane talks to the destination: it holds the lock, or has just taken it."""
@@ -331,13 +347,17 @@ class Lane:
         sides = wire.last_numbers(batch)
         try:
             with self.connection.begin():
-                return self.connection.execute(queries.APPLY_ANSWER, {
+                delivered = self.connection.execute(queries.APPLY_ANSWER, {
                     "answer": answer, "conversations": [conversation for conversation, _ in sides],
                     "by_initiator": [by_initiator for _, by_initiator in sides],
                     "last_sent": list(sides.values())}).scalar_one()
         except DataError as error:  # the results are not what a transport answer holds: nothing was applied
             raise TransportFailure(f"the answer from {destination.address} is malformed: "
                                    f"{str(error.orig).strip().splitlines()[0]}") from error
+        if delivered:
+            _, due_at = self.probes.get(destination.address, (None, time.monotonic() + PROBE_EVERY_S))
+            self.probes[destination.address] = (next(reversed(sides)), due_at)
+        return delivered
 
     def _refused_as_too_large(self, address: str, refusal: BatchTooLarge, batch: bytes, messages: int) -> None:
         """Learns a smaller byte budget for the destination, or, when a message alone was refused, holds its

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-# The last release before this one (revision 0032): the release this one must talk to, both ways, and whose
+# The last release before this one (revision 0033): the release this one must talk to, both ways, and whose
 # databases this release's migrations take over while it serves.
-PREVIOUS_RELEASE = "60e5092"
-PREVIOUS_REVISION = "0032"
+PREVIOUS_RELEASE = "0d2453b"
+PREVIOUS_REVISION = "0033"
 # The last release that spoke wire version 2 only (revision 0026), the version before this release's own.
 LAST_RELEASE_OF_WIRE_VERSION_2 = "4410560"
 

@@ -186,6 +186,41 @@ def test_a_receiver_that_went_back_gets_again_what_it_lost_and_its_replies_are_n
         going.stop()
 
 
+def test_a_receiver_that_went_back_gets_again_what_it_lost_though_nothing_more_is_sent_to_it(pair, tmp_path):
+    """What b lost of conversations that a sends nothing more on (one waiting for b's answer, one a ended) is found
+    by the relay's probe of the last number b acknowledged (broker.probe_conversation, every relay.PROBE_EVERY_S),
+    which shows that b went back: then every conversation with b is probed, and each gets again what b lost."""
+    a, b, cluster = pair
+    going = Going("base backup", cluster, tmp_path)
+    [waiting_for_b] = conversations_begun(a, 1)
+    send(a, [waiting_for_b], 1, "before")
+    received(b, "warehouse_queue", 1)
+    drained(a)
+    going.mark_before()
+
+    asked = send(a, [waiting_for_b], 1, "the question b must answer")
+    with a.engine.begin() as c:
+        ended = broker.begin_dialog(c, "shop", "warehouse", "orders")
+        broker.send(c, ended, "order.note", b"fire and forget")
+        broker.end_conversation(c, ended)
+    received(b, "warehouse_queue", 3)
+    drained(a)
+    b = going.go_back(b)
+    try:
+        at_b = received(b, "warehouse_queue", 3)  # a sends nothing new
+        ids = conversation_ids(a, [waiting_for_b, ended])
+        assert at_b[ids[waiting_for_b]] == [("order.note", body) for body in asked[waiting_for_b]]
+        assert [kind for kind, _ in at_b[ids[ended]]] == ["order.note", "broker.end_dialog"]
+        assert at_b[ids[ended]][0][1] == b"fire and forget"
+        drained(a)
+        assert lost_messages(a) == [("sent", "resent", 1, 2), ("sent", "resent", 2, 2)]
+        with b.engine.connect() as c:
+            assert c.exec_driver_sql("SELECT state FROM broker.endpoints WHERE conversation_id = %s",
+                                     (ids[ended],)).scalar_one() == "disconnected_inbound"
+    finally:
+        b.stop()
+
+
 def test_what_the_resend_window_no_longer_holds_ends_the_conversation_on_both_sides_and_is_never_silent(pair,
                                                                                                        tmp_path):
     a, b, cluster = pair

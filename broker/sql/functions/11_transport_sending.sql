@@ -100,11 +100,15 @@ GRANT EXECUTE ON FUNCTION broker.transport_batch(text,integer,bigint,uuid,uuid) 
 -- A database that went back to an earlier point shows in the answer (see
 -- broker.transmission_progress): a far node that acknowledges less than it did
 -- before lost what it had acknowledged, and gets it again
--- (broker._send_again); a far node that held, before the batch came, numbers
+-- (broker._send_again); one that held less than it had acknowledged before
+-- the batch came lost what the batch gave it again (a probe, see
+-- broker._probe); a far node that held, before the batch came, numbers
 -- this side had not transmitted yet (the answer's held), or that acknowledges
 -- more than this side ever numbered, holds what this side numbered before its
 -- database went back, and this side's messages are numbered past them
--- (broker._number_past).
+-- (broker._number_past).  A far node that lost what it had acknowledged may
+-- have lost as much of conversations that have nothing to send: each of its
+-- conversations is probed, at most once a minute (broker.far_node_checks).
 CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb, sent_conversations uuid[],
                                                            sent_by_initiator boolean[], last_sent bigint[])
 RETURNS bigint
@@ -121,6 +125,7 @@ DECLARE
     result record;
     went_back uuid[] := '{}';
     sent_again uuid[] := '{}';
+    far_node_lost boolean := false;
     delivered bigint;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
@@ -149,6 +154,9 @@ BEGIN
     SET tombstone_retention = excluded.tombstone_retention, learned_at = excluded.learned_at
     WHERE p.tombstone_retention <> excluded.tombstone_retention;
 
+    -- A side that ended here may have been acknowledged by a far node that
+    -- had forgotten the conversation (held only what it received before), so
+    -- held is compared only while this side converses.
     FOR result IN
         SELECT a.conversation_handle, a.reported, a.held, p.previously_transmitted, p.answered_sequence,
                p.acknowledged_sequence, e.send_sequence
@@ -157,17 +165,30 @@ BEGIN
         JOIN broker.endpoints e ON e.conversation_handle = a.conversation_handle
         WHERE a.reported < p.acknowledged_sequence OR a.held > p.previously_transmitted
            OR a.reported > e.send_sequence
+           OR (a.held < p.acknowledged_sequence AND e.state IN ('conversing', 'disconnected_outbound'))
     LOOP
-        went_back := went_back || result.conversation_handle;
         IF result.reported < result.acknowledged_sequence THEN
+            far_node_lost := true;
+            went_back := went_back || result.conversation_handle;
             IF broker._send_again(result.conversation_handle, result.reported, result.acknowledged_sequence) THEN
                 sent_again := sent_again || result.conversation_handle;
             END IF;
+        ELSIF result.held < result.acknowledged_sequence AND result.held <= result.previously_transmitted
+              AND result.reported <= result.send_sequence THEN
+            -- It lost numbers it had acknowledged, and took them again from this batch.
+            far_node_lost := true;
+            PERFORM broker._record_lost_messages(e, 'sent', result.held + 1, result.acknowledged_sequence, 'resent')
+            FROM broker.endpoints e WHERE e.conversation_handle = result.conversation_handle;
         ELSE
+            went_back := went_back || result.conversation_handle;
             PERFORM broker._number_past(result.conversation_handle,
                                         greatest(result.reported, result.held), result.answered_sequence);
         END IF;
     END LOOP;
+    IF far_node_lost THEN
+        PERFORM broker._probe_far_node(e.far_broker_instance)
+        FROM broker.endpoints e WHERE e.conversation_handle = handles[1];
+    END IF;
 
     -- The acknowledged rows are found conversation by conversation through the
     -- primary key (OFFSET 0 keeps the planner from making the lateral subquery
@@ -277,6 +298,9 @@ BEGIN
     END IF;
     resent := (SELECT count(*) FROM broker.acknowledged_messages k
                WHERE k.conversation_handle = handle AND k.message_sequence_number BETWEEN held + 1 AND acknowledged)
+              + (SELECT count(*) FROM broker.transmission_queue t  -- a probe (broker._probe)
+                 WHERE t.to_service = e.far_service AND t.priority = e.priority AND t.conversation_handle = handle
+                   AND t.message_sequence_number BETWEEN held + 1 AND acknowledged)
               = acknowledged - held;
     IF resent THEN
         WITH taken_back AS (
@@ -302,6 +326,68 @@ BEGIN
     RETURN resent;
 END $$;
 GRANT EXECUTE ON FUNCTION broker._send_again(uuid,bigint,bigint) TO broker_relay;
+
+-- Asks the far node whether it still holds what it acknowledged of these
+-- conversation sides: the highest number it acknowledged of each goes again,
+-- from the resend window, unless something of the conversation waits to be
+-- sent (the next batch asks then).  A far node that holds it acknowledges it
+-- as a duplicate; one that went back to an earlier point takes it again, or
+-- asks for the numbers it lacks (broker.apply_transport_results).  Only sides
+-- that converse are asked.  Returns how many were asked.
+CREATE OR REPLACE FUNCTION broker._probe(handles uuid[]) RETURNS integer
+LANGUAGE sql AS $$
+    WITH taken AS (
+        DELETE FROM broker.acknowledged_messages k
+        USING broker.transmission_progress p, broker.endpoints e
+        WHERE p.conversation_handle = ANY (handles) AND e.conversation_handle = p.conversation_handle
+          AND e.state IN ('conversing', 'disconnected_outbound') AND NOT e.far_is_local
+          AND k.conversation_handle = p.conversation_handle AND k.message_sequence_number = p.acknowledged_sequence
+          AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
+                          WHERE t.to_service = e.far_service AND t.priority = e.priority
+                            AND t.conversation_handle = e.conversation_handle)
+        RETURNING k.*, e.conversation_id, e.far_service, e.priority
+    ), asked AS (
+        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
+                                               to_service, message_type_id, body, enqueued_at, transmission_status,
+                                               priority, traceparent)
+        SELECT k.conversation_handle, k.message_sequence_number, k.conversation_id, k.far_service, k.message_type_id,
+               k.body, k.enqueued_at, 'sent again to ask whether the far node still holds it', k.priority,
+               k.traceparent
+        FROM taken k
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM asked;
+$$;
+GRANT EXECUTE ON FUNCTION broker._probe(uuid[]) TO broker_relay;
+
+-- Asks the far node whether it still holds the last number it acknowledged of
+-- a conversation side: a running relay asks so every minute of a side it
+-- sent to lately, so that a far node that went back to an earlier point is
+-- found even when nothing more is sent to it.
+CREATE OR REPLACE FUNCTION broker.probe_conversation(conversation uuid, sender_is_initiator boolean)
+RETURNS integer
+LANGUAGE sql AS $$
+    SELECT broker._probe(ARRAY(SELECT e.conversation_handle FROM broker.endpoints e
+                               WHERE e.conversation_id = conversation AND e.is_initiator = sender_is_initiator
+                                 AND NOT e.far_is_local));
+$$;
+GRANT EXECUTE ON FUNCTION broker.probe_conversation(uuid, boolean) TO broker_relay;
+
+-- A far node lost numbers it had acknowledged: its database went back to an
+-- earlier point, and it may have lost as much of any conversation with this
+-- node.  Each is asked (broker._probe), at most once a minute.
+CREATE OR REPLACE FUNCTION broker._probe_far_node(far_instance uuid) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO broker.far_node_checks AS f (broker_instance) VALUES (far_instance)
+    ON CONFLICT (broker_instance) DO UPDATE SET checked_at = excluded.checked_at
+    WHERE f.checked_at < now() - interval '1 minute';
+    IF FOUND THEN
+        PERFORM broker._probe(ARRAY(SELECT e.conversation_handle FROM broker.endpoints e
+                                    WHERE e.far_broker_instance = far_instance AND NOT e.far_is_local));
+    END IF;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._probe_far_node(uuid) TO broker_relay;
 
 -- This side's database went back to an earlier point: the far node already
 -- holds its numbers up to held, of which this side knows it had transmitted

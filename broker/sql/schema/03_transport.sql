@@ -123,6 +123,14 @@ CREATE TABLE broker.peer_retention (
     learned_at           timestamptz NOT NULL DEFAULT now()
 );
 
+-- When this node last asked a far node that had lost numbers it acknowledged
+-- (its database went back to an earlier point) about each of their
+-- conversations (broker._probe_far_node): at most once a minute.
+CREATE TABLE broker.far_node_checks (
+    broker_instance  uuid PRIMARY KEY,
+    checked_at       timestamptz NOT NULL DEFAULT now()
+);
+
 -- A message's attempts and status are those of the latest failure that covers
 -- it, or else its own (the far node held its conversation back).
 CREATE VIEW broker.transmission_queue_status AS

@@ -56,7 +56,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON broker.endpoints, broker.conversation_gr
                                         broker.transmission_queue, broker.transmission_failures,
                                         broker.forgotten_conversations, broker.transmission_progress,
                                         broker.acknowledged_messages, broker.lost_messages, broker.peer_retention,
-                                        broker.peer_secret_use
+                                        broker.peer_secret_use, broker.far_node_checks
     TO broker_relay;
 
 ------------------------------------------------------------------------------

@@ -1,0 +1,28 @@
+"""A far node that lost numbers it had acknowledged is asked about each of its conversations, at most once a minute
+(broker.far_node_checks), so that what it lost of conversations with nothing more to send is found too.  Only a new
+table and function files: it applies while nodes of the previous release serve.
+
+Revision ID: 0034
+Revises: 0033
+"""
+from alembic import op
+
+revision = "0034"
+down_revision = "0033"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.execute("SET LOCAL lock_timeout = '10s'")
+    op.execute("""
+        CREATE TABLE broker.far_node_checks (
+            broker_instance  uuid PRIMARY KEY,
+            checked_at       timestamptz NOT NULL DEFAULT now()
+        )""")
+    op.execute("GRANT SELECT, INSERT, UPDATE, DELETE ON broker.far_node_checks TO broker_relay")
+
+
+def downgrade() -> None:
+    op.execute("SET LOCAL lock_timeout = '10s'")
+    op.execute("DROP TABLE broker.far_node_checks")
