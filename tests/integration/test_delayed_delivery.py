@@ -101,7 +101,10 @@ def test_an_ending_waits_behind_what_is_held_and_an_error_drops_it(engine, order
 @pytest.mark.parametrize("delivery, words", [
     ("deliver_after => interval '1 s', deliver_at => now()", "not both"),
     ("deliver_at => 'infinity'", "must be finite"),
-    ("deliver_after => 'infinity'", "must be finite")])
+    ("deliver_after => 'infinity'", "must be finite"),
+    # Python's datetime, psycopg2's and the REST API's, reads no year past 9999: status and lists would fail on it.
+    ("deliver_at => '9999-12-31T23:59:59-14:00'", "before the year 10000 UTC"),
+    ("deliver_after => interval '8000 years'", "before the year 10000 UTC")])
 def test_a_delivery_time_that_makes_no_sense_is_refused(engine, orders, delivery, words):
     with engine.begin() as connection:
         handle = begin(connection)
@@ -109,6 +112,17 @@ def test_a_delivery_time_that_makes_no_sense_is_refused(engine, orders, delivery
         connection.execute(text(f"SELECT broker.send(:h, 'order.note', NULL, {delivery})"), {"h": handle})
     with pytest.raises(broker.InvalidArgument, match="not both"), engine.begin() as connection:
         broker.send(connection, handle, "order.note", "x", deliver_after=SECOND, deliver_at=datetime.now(timezone.utc))
+
+
+def test_a_timer_or_a_lifetime_that_ends_past_the_year_9999_is_refused(engine, orders):
+    with engine.begin() as connection:
+        handle = begin(connection)
+    with pytest.raises(broker.InvalidArgument, match="a timer must be finite and before the year 10000 UTC"), \
+            engine.begin() as connection:
+        broker.begin_conversation_timer(connection, handle, timedelta(days=365 * 8000))
+    with pytest.raises(broker.InvalidArgument, match="the end of a lifetime must be finite and before the year"), \
+            engine.begin() as connection:
+        begin(connection, lifetime=timedelta(days=365 * 8000))
 
 
 def test_status_and_diagnose_tell_held_messages_from_stuck_ones(engine, orders):

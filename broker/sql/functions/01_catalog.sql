@@ -39,6 +39,19 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION broker._raise(text,text,text) TO broker_relay;
 
+-- A time a caller sets (a delivery time, a lifetime's end, a timer), refused
+-- with BR050 unless finite and before the year 10000 UTC: clients, Python's
+-- datetime among them, cannot read a later one back.
+CREATE OR REPLACE FUNCTION broker._settable_time(what text, t timestamptz) RETURNS timestamptz
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT isfinite(t) OR t >= timestamptz '10000-01-01 00:00:00+00' THEN
+        PERFORM broker._raise('BR050', format('%s must be finite and before the year 10000 UTC, got %s', what, t));
+    END IF;
+    RETURN t;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._settable_time(text, timestamptz) TO broker_relay;
+
 -- Names are 1-128 characters: letters, digits and _ . : / @ # -, starting with
 -- a letter, a digit or /.  Names beginning with "broker." are reserved.
 CREATE OR REPLACE FUNCTION broker._check_name(kind text, name text) RETURNS text

@@ -28,6 +28,7 @@ BEGIN
     IF lifetime <= interval '0' THEN
         PERFORM broker._raise('BR050', format('lifetime must be positive, got %s', lifetime));
     END IF;
+    PERFORM broker._settable_time('the end of a lifetime', now() + lifetime);
     IF related_conversation IS NOT NULL THEN
         IF related_conversation_group IS NOT NULL THEN
             PERFORM broker._raise('BR050', 'give related_conversation or related_conversation_group, not both');

@@ -103,10 +103,7 @@ BEGIN
     IF deliver_after IS NOT NULL AND deliver_at IS NOT NULL THEN
         PERFORM broker._raise('BR050', 'give deliver_after or deliver_at, not both');
     END IF;
-    IF NOT isfinite(coalesce(deliver_at, now() + deliver_after)) THEN
-        PERFORM broker._raise('BR050', 'a delivery time must be finite');
-    END IF;
-    RETURN coalesce(deliver_at, clock_timestamp() + deliver_after);
+    RETURN broker._settable_time('a delivery time', coalesce(deliver_at, clock_timestamp() + deliver_after));
 END $$;
 GRANT EXECUTE ON FUNCTION broker._delivery_time(interval,timestamp with time zone) TO broker_relay;
 

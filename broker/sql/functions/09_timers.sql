@@ -14,7 +14,8 @@ BEGIN
     IF e.state = 'closed' THEN
         PERFORM broker._raise('BR020', format('conversation %s is closed', conversation_handle));
     END IF;
-    UPDATE broker.endpoints SET timer_at = now() + timeout WHERE endpoints.conversation_handle = e.conversation_handle;
+    UPDATE broker.endpoints SET timer_at = broker._settable_time('a timer', now() + timeout)
+    WHERE endpoints.conversation_handle = e.conversation_handle;
 END $$;
 COMMENT ON FUNCTION broker.begin_conversation_timer(uuid, interval) IS
     'After timeout, a broker.dialog_timer message arrives on this side of the conversation.';
