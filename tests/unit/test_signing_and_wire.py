@@ -1,13 +1,14 @@
 """The transport's pure parts, without a database: what a request and an answer are signed for and with, how a
-batch's Content-Type names its wire version, and passwords masked in what is shown."""
+batch's Content-Type names its wire version, passwords masked in what is shown, and a peer's words escaped."""
 import hashlib
 import hmac
 import time
 
+import httpx
 import pytest
 
 from broker.masking import mask_passwords
-from broker.transport import signing, wire
+from broker.transport import sending, signing, wire
 
 SECRET = "shared-secret"
 INSTANCE = "6f1c2a9e-5d2b-4c1e-9a0f-3b8e7d6c5a41"
@@ -88,3 +89,11 @@ def test_a_refusal_says_what_a_batch_was_sent_as():
     ("postgresql://broker@db/broker", "postgresql://broker@db/broker")])
 def test_passwords_are_masked_in_what_is_shown(text, shown):
     assert mask_passwords(text) == shown
+
+
+def test_a_peers_refusal_is_kept_with_its_control_characters_escaped():
+    """What a peer answers is recorded in PostgreSQL text (which takes no NUL) and logged (where a terminal's
+    escapes or a line break would act): each control character is written as its escape."""
+    answer = httpx.Response(500, headers={"content-type": "application/problem+json"},
+                            text='{"detail": "a\x00b\x1b[2Jc\nforged line"}')
+    assert sending._detail(answer) == '{"detail": "a\\x00b\\x1b[2Jc\\nforged line"}'
