@@ -592,6 +592,8 @@ RECORD_FAILURE = text("SELECT broker.record_transport_failure(:address, :first, 
 FORGET_CLOSED_ENDPOINTS = text("SELECT broker.forget_closed_endpoints()")
 FORGET_ACKNOWLEDGED_MESSAGES = text("SELECT broker.forget_acknowledged_messages()")
 WITHHOLD_WHAT_PEERS_FORGOT = text("SELECT broker.withhold_what_peers_forgot()")
+# Queue positions after every earlier one in a database restored into a cluster behind it in transaction ids.
+CONTINUE_QUEUE_POSITIONS = text("SELECT broker.continue_queue_positions()")
 # Whether the far node still holds the last number it acknowledged of a conversation side: it goes again.
 PROBE_CONVERSATION = text("SELECT broker.probe_conversation(CAST(:conversation AS uuid), :by_initiator)")
 

@@ -30,6 +30,7 @@ from datetime import timedelta
 
 import httpx
 import psycopg2
+from psycopg2.errors import LockNotAvailable
 from sqlalchemy import create_engine
 from sqlalchemy.exc import DataError, DBAPIError
 
@@ -237,6 +238,7 @@ class Lane:
             self.connection = self.relay.engine.connect()
         connection = self.connection
         if self.index == 0 and time.monotonic() >= self.forget_at:
+            self._continue_queue_positions()
             connection.execute(queries.FORGET_CLOSED_ENDPOINTS)
             connection.execute(queries.FORGET_ACKNOWLEDGED_MESSAGES)
             connection.execute(queries.WITHHOLD_WHAT_PEERS_FORGOT)
@@ -266,6 +268,24 @@ class Lane:
             self.connection.execute(queries.PROBE_CONVERSATION, {"conversation": side[0], "by_initiator": side[1]})
             self.connection.commit()
             self.probes[address] = (side, time.monotonic() + PROBE_EVERY_S)
+
+    def _continue_queue_positions(self) -> None:
+        """Makes new queue positions come after every earlier one in a database restored into a cluster whose
+        transaction ids are behind its own (broker.continue_queue_positions); tried again a minute later when the
+        transactions that made positions did not end within its wait."""
+        try:
+            added = self.connection.execute(queries.CONTINUE_QUEUE_POSITIONS).scalar_one()
+            self.connection.commit()
+        except DBAPIError as error:
+            self.connection.rollback()
+            if not isinstance(error.orig, LockNotAvailable):
+                raise
+            log.warning("queue positions are behind this database's: not raised yet, as transactions that make "
+                        "them did not end within 5 s; trying again in a minute")
+            return
+        if added:
+            log.warning("this database was restored into a cluster whose transaction ids are behind its own: queue "
+                        "positions now go on after its earlier ones (%d transaction ids added)", added)
 
     def _holds_lock(self, address: str) -> bool:
         """Whether this lane talks to the destination: it holds the lock, or has just taken it."""

@@ -4,12 +4,17 @@ transactions.  Node a runs on the test server, node b on a cluster of its own.  
 round trip, send again what the far side lost from the resend window, number past what the far side holds, and,
 where the window no longer holds what was lost, end the conversation with broker.error -4 and say so."""
 import json
+import subprocess
 
 import psycopg2
 import pytest
+from sqlalchemy import create_engine
 
 import broker
 from broker import migrate
+from broker.cli.processes import start_broker, stop
+from spark_ingest import checkpoints
+from tests import factories
 from tests.clusters import Cluster
 from tests.conftest import _fresh_database, admin_execute
 from tests.integration.test_diagnose import _diagnose
@@ -299,3 +304,61 @@ def test_both_nodes_taken_back_to_the_same_moment_go_on_from_there_with_nothing_
         a.stop()
         b.stop()
         a_cluster.stop("immediate")
+
+
+def test_a_database_restored_by_pg_dump_into_a_cluster_behind_it_makes_its_new_positions_after_its_old_ones(
+        tmp_path):
+    """Queue positions are made of transaction ids, and a new cluster's are behind those of the cluster a dump came
+    from: a message sent after the restore would take a position below the ingest's checkpoint, and no bulk
+    reader would ever see it.  The node's relay finds that when it starts and makes positions go on after the old
+    ones (broker.continue_queue_positions)."""
+    old, new = (Cluster.initdb(tmp_path / name, name).start() for name in ("old", "new"))
+    try:
+        admin_execute(old.url(), "CREATE DATABASE shop")
+        migrate.upgrade(old.url("shop"))
+        for _ in range(3000):  # the old cluster has lived longer than the new one
+            old.query("SELECT pg_current_xact_id()")
+        engine = create_engine(old.url("shop"))
+        with engine.begin() as c:
+            factories.define_orders(c)
+            handle = factories.begin(c)
+            for n in range(3):
+                broker.send(c, handle, "order.note", f"before the dump {n}".encode())
+        with engine.connect() as c:  # an ingest took them
+            assert checkpoints.try_lock(c, factories.WAREHOUSE_QUEUE, "lake")
+            after, up_to = checkpoints.start(c, factories.WAREHOUSE_QUEUE, "lake")
+            checkpoints.advance(c, factories.WAREHOUSE_QUEUE, "lake", after, up_to, "run-1", 3, consume=False)
+            c.commit()
+        engine.dispose()
+        dump = tmp_path / "shop.dump"
+        subprocess.run([str(old.bin_dir / "pg_dump"), "-Fc", "-f", str(dump), old.url("shop")], check=True)
+        migrate.upgrade(new.url())  # the broker's roles, which a dump of one database does not carry
+        admin_execute(new.url(), "CREATE DATABASE shop")
+        subprocess.run([str(new.bin_dir / "pg_restore"), "--exit-on-error", "-d", new.url("shop"), str(dump)],
+                       check=True)
+        restored = create_engine(new.url("shop"))
+        with restored.connect() as c:
+            checkpoint = c.exec_driver_sql("SELECT queue_position FROM broker.ingest_checkpoints").scalar_one()
+            assert c.exec_driver_sql("SELECT broker._queue_position_now()").scalar_one() < checkpoint
+
+        relay = start_broker(new.url("shop"), tmp_path / "relay.log", "relay")
+        try:
+            wait_for(lambda: new.query("SELECT xid_offset FROM broker.queue_position_base", database="shop")[0][0] > 0,
+                     30, "the relay to make positions go on after the old ones")
+        finally:
+            stop(relay)
+        assert "restored into a cluster whose transaction ids are behind" in (tmp_path / "relay.log").read_text()
+        with restored.begin() as c:
+            broker.send(c, handle, "order.note", b"after the restore")
+        with restored.connect() as c:
+            [position] = c.exec_driver_sql("SELECT queue_position FROM broker.queue_messages WHERE body = %s",
+                                           (b"after the restore",)).scalars()
+            assert position > checkpoint
+            assert checkpoints.try_lock(c, factories.WAREHOUSE_QUEUE, "lake")
+            after, up_to = checkpoints.start(c, factories.WAREHOUSE_QUEUE, "lake")
+            assert after == checkpoint and up_to >= position
+            assert checkpoints.lag(c, factories.WAREHOUSE_QUEUE, "lake")[0] == 1
+        restored.dispose()
+    finally:
+        old.stop("immediate")
+        new.stop("immediate")

@@ -33,7 +33,8 @@ SEARCH_PATH = ["search_path=broker, pg_catalog, pg_temp"]
 STATUS_VIEWS = {"queue_status", "conversation_endpoints", "transmission_queue_status", "activation_status"}
 TRANSPORT_FUNCTIONS = {"transport_batch", "apply_transport_results", "record_transport_failure",
                        "accept_transport_batch", "forget_closed_endpoints", "forget_acknowledged_messages",
-                       "withhold_what_peers_forgot", "fire_due_events", "count_unreported_rollbacks"}
+                       "withhold_what_peers_forgot", "fire_due_events", "count_unreported_rollbacks",
+                       "probe_conversation", "continue_queue_positions"}
 OUR_INSTANCE = "SELECT broker_instance FROM broker.node"
 EVERY_HANDLE = ("00000000-0000-0000-0000-000000000000", "ffffffff-ffff-ffff-ffff-ffffffffffff")
 

@@ -15,12 +15,13 @@ GRANT EXECUTE ON FUNCTION broker._traceparent() TO broker_relay;
 -- Positions
 ------------------------------------------------------------------------------
 
--- A commit-ordered position: the writer's transaction id in the high bits and
--- a counter within the transaction in the low 20 bits.  Every row with a
--- position below broker.committed_position_horizon() was written by a
--- transaction that has already finished, so a bulk reader that reads up to the
--- horizon never later sees a newly committed position below what it has read
--- (invariant 6).  A transaction may enqueue at most 1,048,575 messages.
+-- A commit-ordered position: the writer's transaction id (plus the offset in
+-- broker.queue_position_base) in the high bits and a counter within the
+-- transaction in the low 20 bits.  Every row with a position below
+-- broker.committed_position_horizon() was written by a transaction that has
+-- already finished, so a bulk reader that reads up to the horizon never later
+-- sees a newly committed position below what it has read (invariant 6).  A
+-- transaction may enqueue at most 1,048,575 messages.
 CREATE OR REPLACE FUNCTION broker._next_queue_position() RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -30,7 +31,7 @@ BEGIN
         PERFORM broker._raise('BR050', 'a transaction may enqueue at most 1048575 messages');
     END IF;
     PERFORM set_config('broker.position_counter', counter::text, true);
-    RETURN (pg_current_xact_id()::text::bigint << 20) | counter;
+    RETURN broker._queue_position_now() | counter;
 END $$;
 GRANT EXECUTE ON FUNCTION broker._next_queue_position() TO broker_relay;
 
@@ -45,16 +46,62 @@ BEGIN
         PERFORM broker._raise('BR050', 'a transaction may enqueue at most 1048575 messages');
     END IF;
     PERFORM set_config('broker.position_counter', (first + n - 1)::text, true);
-    RETURN (pg_current_xact_id()::text::bigint << 20) | first;
+    RETURN broker._queue_position_now() | first;
 END $$;
 GRANT EXECUTE ON FUNCTION broker._next_queue_positions(integer) TO broker_relay;
 
+-- The high bits of this transaction's positions.
+CREATE OR REPLACE FUNCTION broker._queue_position_now() RETURNS bigint
+LANGUAGE sql AS $$
+    SELECT (pg_current_xact_id()::text::bigint + b.xid_offset) << 20 FROM broker.queue_position_base b
+$$;
+GRANT EXECUTE ON FUNCTION broker._queue_position_now() TO broker_relay;
+
 CREATE OR REPLACE FUNCTION broker.committed_position_horizon() RETURNS bigint
 LANGUAGE sql STABLE AS $$
-    SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint << 20
+    SELECT (pg_snapshot_xmin(pg_current_snapshot())::text::bigint + b.xid_offset) << 20
+    FROM broker.queue_position_base b
 $$;
 COMMENT ON FUNCTION broker.committed_position_horizon() IS
     'Every destination-queue row below this position was written by a finished transaction; bulk readers read below it.';
+
+-- The database was restored into a cluster whose transaction ids are behind
+-- those its positions were made with (pg_dump and pg_restore into another
+-- cluster): new positions would come before earlier ones, and a bulk reader
+-- past those would never see them.  Raises the offset added to transaction
+-- ids so that every new position comes after every position made so far, and
+-- returns what it added: 0, with nothing locked, when they are in order.  It
+-- waits (at most 5 s, else lock_not_available) for the transactions that made
+-- positions to end, holding new ones back meanwhile.  A running relay calls
+-- it when it starts and every minute; it runs as the schema's owner, since it
+-- reads the ingests' checkpoints, which the relay's role may not.
+CREATE OR REPLACE FUNCTION broker.continue_queue_positions() RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp
+AS $$
+DECLARE
+    added bigint;
+BEGIN
+    IF broker._highest_queue_position() < broker._queue_position_now() THEN
+        RETURN 0;
+    END IF;
+    PERFORM set_config('lock_timeout', '5s', true);
+    LOCK TABLE broker.queue_position_base IN ACCESS EXCLUSIVE MODE;
+    added := greatest((broker._highest_queue_position() - broker._queue_position_now()) >> 20, -1) + 1;
+    UPDATE broker.queue_position_base SET xid_offset = xid_offset + added;
+    RETURN added;
+END $$;
+GRANT EXECUTE ON FUNCTION broker.continue_queue_positions() TO broker_relay;
+
+-- The highest position a queue, an ingest's checkpoint or a watched head holds.
+CREATE OR REPLACE FUNCTION broker._highest_queue_position() RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT greatest(max(m.queue_position), (SELECT max(c.queue_position) FROM broker.ingest_checkpoints c),
+                    (SELECT max(w.queue_position) FROM broker.watched_heads w), 0)
+    FROM broker.queues q
+    CROSS JOIN LATERAL (SELECT m.queue_position FROM broker.queue_messages m WHERE m.queue_id = q.queue_id
+                        ORDER BY m.queue_position DESC LIMIT 1) m
+$$;
 
 ------------------------------------------------------------------------------
 -- Delivering and transmitting

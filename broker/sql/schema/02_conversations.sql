@@ -92,6 +92,16 @@ CREATE INDEX forgotten_conversations_age ON broker.forgotten_conversations (forg
 -- Destination queue, dead letters
 ------------------------------------------------------------------------------
 
+-- What is added to a transaction id to make a queue position (see
+-- broker._next_queue_position): raised by broker.continue_queue_positions when
+-- the database is restored into a cluster whose transaction ids are behind
+-- those it was made with.  One row.
+CREATE TABLE broker.queue_position_base (
+    xid_offset  bigint NOT NULL DEFAULT 0 CHECK (xid_offset >= 0),
+    only_row    boolean PRIMARY KEY DEFAULT true CHECK (only_row)
+);
+INSERT INTO broker.queue_position_base DEFAULT VALUES;
+
 -- queue_position is commit-ordered (see broker._next_queue_position).
 -- message_sequence_number 0 marks a notice raised by this node itself (a
 -- dialog timer, an expired lifetime, a quarantine, a refusal); far-side

@@ -58,6 +58,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON broker.endpoints, broker.conversation_gr
                                         broker.acknowledged_messages, broker.lost_messages, broker.peer_retention,
                                         broker.peer_secret_use, broker.far_node_checks
     TO broker_relay;
+-- Accepting a batch makes queue positions (broker._next_queue_positions).
+GRANT SELECT ON broker.queue_position_base TO broker_relay;
 
 ------------------------------------------------------------------------------
 -- broker_admin
