@@ -625,7 +625,9 @@ LISTEN_FOR_TRANSMISSIONS = "LISTEN broker_transmission_queue"
 ACTIVATED_QUEUES = text(
     "SELECT queue_id, queue_name, max_queue_readers, messages_waiting FROM broker.activated_queues()")
 TAKE_ACTIVATION_SLOT = text("SELECT broker.take_activation_slot(:queue)")
-ACTIVATE = text("SELECT broker.activate(:queue, :slot)")
+# One call of the procedure, in a session as the node opened it: whatever the previous call set for the session
+# (its role, its settings: SET without LOCAL) is reset first.
+ACTIVATE = text("RESET ROLE; RESET ALL; SELECT broker.activate(:queue, :slot)")
 # What a node's readers did since it last said, added to the queue's totals.
 RECORD_ACTIVATIONS = text("""
     UPDATE broker.queue_activation a

@@ -190,6 +190,29 @@ def test_a_procedure_that_raises_rolls_back_and_its_message_ends_in_the_dead_let
     _shown(node, status)
 
 
+def test_what_a_procedure_sets_for_its_session_does_not_outlast_its_call(node):
+    """A procedure that sets its session's role and search_path (not SET LOCAL) leaves the next call as it found
+    it: the node's reader resets its session after each call, so the next job is done too."""
+    _define(node, """
+        CREATE PROCEDURE sticky_jobs(queue text)
+        LANGUAGE plpgsql AS $$
+        DECLARE
+            received record;
+        BEGIN
+            FOR received IN SELECT * FROM broker.receive(queue, 1) LOOP
+                INSERT INTO done VALUES (convert_from(received.body, 'UTF8'), 0);
+            END LOOP;
+            SET ROLE worker;
+            SET search_path = pg_catalog;
+        END $$;""")
+    with node.engine.begin() as c:
+        broker.set_queue_activation(c, "job_queue", "sticky_jobs", execute_as="worker")
+    node.start()
+    _send_jobs(node, "first", "second", "third", conversations=False)
+    wait_for(lambda: _done(node) == ["first", "second", "third"], 30, "every job done")
+    assert _status(node).failures == 0
+
+
 def _shown(node: Node, status) -> None:
     """broker status, /metrics and the console's /v1/status show the queue's activation as the view has it."""
     tables = subprocess.run([sys.executable, "-m", "broker.cli", "status"], capture_output=True, text=True,
