@@ -1,4 +1,5 @@
-"""Passwords masked in any text shown to a person or written to a log."""
+"""What any text shown to a person or written to a log goes through: passwords masked, and the control
+characters of text from data or from a peer escaped."""
 import re
 
 # user:password@ in a URL, and password=... in a connection string or JDBC properties.
@@ -9,3 +10,9 @@ _KEYWORD_PASSWORD = re.compile(r"(?P<keep>\bpassword['\"]?\s*[=:]\s*['\"]?)[^'\"
 def mask_passwords(text: str) -> str:
     """The text with every password in a URL or a key=value setting replaced by ***."""
     return _KEYWORD_PASSWORD.sub(r"\g<keep>***", _URL_PASSWORD.sub(r"\g<keep>***@", text))
+
+
+def printable(text: str) -> str:
+    """The text with its control characters written as escapes: a NUL (which PostgreSQL's text refuses), a
+    terminal's escape sequences, a line break that would forge a log line."""
+    return "".join(character if character.isprintable() else repr(character)[1:-1] for character in text)

@@ -3,6 +3,7 @@ accepted only when the destination signed it as the answer to this very request 
 names."""
 import httpx
 
+from broker.masking import printable
 from broker.transport import signing, wire
 
 
@@ -68,15 +69,9 @@ def peer_wire_versions(client: httpx.Client, address: str) -> tuple[int, ...]:
     return wire_versions_named(health) if health.status_code == 200 else ()
 
 
-def _printable(text: str) -> str:
-    """Text from a peer as it may be recorded and logged: control characters (a NUL, which PostgreSQL's text
-    refuses, a terminal's escapes, a line break that would forge a log line) written as escapes."""
-    return "".join(character if character.isprintable() else repr(character)[1:-1] for character in text)
-
-
 def _detail(response: httpx.Response) -> str:
     """A refusal's problem document, cut short, to say why; nothing when the answer is not JSON."""
-    return _printable(response.text[:300]) if "json" in response.headers.get("content-type", "") else ""
+    return printable(response.text[:300]) if "json" in response.headers.get("content-type", "") else ""
 
 
 def post_batch(client: httpx.Client, destination, our_instance: str, batch: bytes, version: int, secret: str) -> str:
@@ -115,6 +110,6 @@ def post_batch(client: httpx.Client, destination, our_instance: str, batch: byte
     except (ValueError, TypeError, KeyError):
         raise TransportFailure(f"{address} answered something other than a transport answer") from None
     if instance != str(destination.broker_instance):
-        raise TransportFailure(f"{address} is broker instance {_printable(str(instance))}, "
+        raise TransportFailure(f"{address} is broker instance {printable(str(instance))}, "
                                f"the route expects {destination.broker_instance}")
     return response.text

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from broker.masking import mask_passwords
+from broker.masking import mask_passwords, printable
 from broker.transport import sending, signing, wire
 
 SECRET = "shared-secret"
@@ -91,9 +91,12 @@ def test_passwords_are_masked_in_what_is_shown(text, shown):
     assert mask_passwords(text) == shown
 
 
-def test_a_peers_refusal_is_kept_with_its_control_characters_escaped():
-    """What a peer answers is recorded in PostgreSQL text (which takes no NUL) and logged (where a terminal's
-    escapes or a line break would act): each control character is written as its escape."""
+def test_text_from_a_peer_or_a_procedure_is_recorded_and_logged_with_its_control_characters_escaped():
+    """What a peer answers is recorded in PostgreSQL text (which takes no NUL) and logged, and what an activated
+    procedure raises is logged (where a terminal's escapes or a line break would act): each control character is
+    written as its escape."""
     answer = httpx.Response(500, headers={"content-type": "application/problem+json"},
                             text='{"detail": "a\x00b\x1b[2Jc\nforged line"}')
     assert sending._detail(answer) == '{"detail": "a\\x00b\\x1b[2Jc\\nforged line"}'
+    assert printable("the procedure said: \x1b]0;title\x07\r\nWARNING forged") == \
+        "the procedure said: \\x1b]0;title\\x07\\r\\nWARNING forged"
