@@ -46,6 +46,8 @@ DESTINATIONS = text(
     "       ARRAY(SELECT p.secret FROM broker.peer_secrets p WHERE p.broker_instance = r.broker_instance"
     "             ORDER BY p.role, p.added_at DESC) AS other_secrets"
     " FROM broker.routes r GROUP BY r.address, r.broker_instance ORDER BY r.address")
+ROTATED_SECRETS = text("SELECT secret, role FROM broker.peer_secrets WHERE broker_instance = :instance"
+                       " ORDER BY role, added_at DESC")
 METADATA_ADDRESSES_ALLOWED = text("SELECT broker._metadata_addresses_allowed()")
 PEER_IS_ROUTED = text("SELECT EXISTS (SELECT FROM broker.routes WHERE broker_instance = :instance)")
 # The routes' secrets first: while no secret is rotated they are the only ones.
@@ -79,6 +81,12 @@ def routes(connection: Connection) -> list[Row]:
 def routes_with_secrets(connection: Connection) -> list[Row]:
     """Every route with its secret, grouped by peer (address, broker_instance, secret)."""
     return connection.execute(ROUTES_WITH_SECRETS).all()
+
+
+def rotated_secrets(connection: Connection, instance: str) -> list[Row]:
+    """The secrets held for the peer besides its routes' while one is rotated, each with its role (next or
+    previous)."""
+    return connection.execute(ROTATED_SECRETS, {"instance": instance}).all()
 
 
 def destinations(connection: Connection) -> list[Row]:

@@ -148,8 +148,8 @@ def _clock_finding(check: str, their_instance: str, skew_s: float, max_skew_s: f
     return _ok(check, f"answers as instance {their_instance}, signs both ways, clock within {skew_s:.0f} s")
 
 
-def _peer_findings(client: httpx.Client, address: str, route_instance: str, secret: str, services: list[str],
-                   our_instance: str, our_contracts: dict, contracts_in_use: dict[str, set[str]],
+def _peer_findings(client: httpx.Client, address: str, route_instance: str, secret: str, rotated: list,
+                   services: list[str], our_instance: str, our_contracts: dict, contracts_in_use: dict[str, set[str]],
                    max_skew_s: float) -> list[Finding]:
     check = f"node {address}"
     try:
@@ -177,6 +177,13 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
         "what later versions carry (traceparents)", "upgrade that node to this release")]
 
     answer = describe.ask(client, address, our_instance, route_instance, secret, services, sorted(our_contracts))
+    for other in rotated if answer.status_code == 401 else ():  # as the relay signs: with another secret held
+        taken = describe.ask(client, address, our_instance, route_instance, other.secret, services,
+                             sorted(our_contracts))
+        if taken.status_code != 401:
+            answer, secret = taken, other.secret
+            findings.append(_taken_instead(check, other.role, our_instance, route_instance))
+            break
     if answer.status_code == 401:
         detail = str(_member(answer, "detail") or "")
         return [Finding("error", check, f"refuses our signature: {detail}",
@@ -264,6 +271,18 @@ def _secret_findings(address: str, instance: str, secrets: list) -> list[Finding
     return findings
 
 
+def _taken_instead(check: str, role: str, our_instance: str, their_instance: str) -> Finding:
+    """A peer refused the routes' secret and took another held for it while a secret is rotated (role: that one's):
+    what its node or this one has still to do."""
+    if role == "previous":
+        advice = (f"on that node: SELECT broker.add_peer_secret('{our_instance}', …) with the secret this node "
+                  f"switched to, then broker.switch_peer_secret('{our_instance}')")
+    else:
+        advice = f"that node switched to the new secret: here, SELECT broker.switch_peer_secret('{their_instance}')"
+    return Finding("warning", check, f"refuses the routes' secret and takes the {role} one held for it, which the "
+                   "relay signs with meanwhile: the rotation is half done", advice)
+
+
 def diagnose(connection: Connection, client: httpx.Client, schema_head: str, *, max_wait_s: float,
              max_clock_skew_s: float) -> list[Finding]:
     """Every finding about this node and its peers; max_wait_s is how long a message may wait for a destination
@@ -275,7 +294,8 @@ def diagnose(connection: Connection, client: httpx.Client, schema_head: str, *, 
     for (address, instance, secret), group in groupby(queries.routes_with_secrets(connection),
                                                       key=lambda r: (r.address, r.broker_instance, r.peer_secret)):
         services = [route.service_name for route in group]
-        findings += _peer_findings(client, address, str(instance), secret, services, our_instance, our_contracts,
-                                   contracts_in_use, max_clock_skew_s)
+        rotated = queries.rotated_secrets(connection, str(instance))
+        findings += _peer_findings(client, address, str(instance), secret, rotated, services, our_instance,
+                                   our_contracts, contracts_in_use, max_clock_skew_s)
         findings += _secret_findings(address, str(instance), queries.peer_secrets(connection, str(instance)))
     return findings

@@ -127,3 +127,19 @@ def test_nodes_that_share_no_secret_keep_their_messages_until_they_do(nodes):
     with b.engine.begin() as c:
         broker.add_peer_secret(c, a.instance, NEW_SECRET)  # shared again: b's relay signs under it once refused
     assert [m.body for m in a.receive_all("shop_queue", 1, timeout_s=60)] == [b"signed with the secret a retired"]
+
+
+def test_diagnose_in_a_step_out_of_turn_signs_as_the_relay_does_and_says_what_the_peer_lacks(nodes):
+    """a switched to a secret that b does not hold yet: a's relay goes on under the old one, and so does a's
+    diagnose, which warns (not an error) that b takes only the old secret and says to add the new one there."""
+    a, b = nodes
+    with a.engine.begin() as c:
+        broker.add_peer_secret(c, b.instance, NEW_SECRET)
+        broker.switch_peer_secret(c, b.instance)
+    code, findings = _diagnose(a)
+    assert code == 0, [finding for finding in findings if finding["level"] == "error"]
+    [lacking] = [finding for finding in _findings(a, f"node {b.address}") if "secret" in finding["finding"]]
+    assert lacking["level"] == "warning"
+    assert "refuses the routes' secret" in lacking["finding"]
+    assert f"broker.add_peer_secret('{a.instance}'" in lacking["advice"]
+    assert NEW_SECRET not in str(findings)
