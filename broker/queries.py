@@ -209,10 +209,17 @@ QUEUE_OF_LOCK = text("""
 REFUSE_LOCK_AS_UNKNOWN = text("SELECT broker._refuse_lost_lock(:token, NULL, NULL)")
 GROUP_OF_LOCK = text("SELECT conversation_group_id FROM broker.leases WHERE lock_token = :token")
 ENDPOINT = text("SELECT * FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
-# Every message of one conversation side that this node still holds, and why each is where it is: sent and not
-# yet acknowledged (or held, or delivered locally once due), arrived and not yet received (or kept by the
-# queue's retention), or dead-lettered.  What was acknowledged or received and deleted is counted, not listed.
+# The messages of one conversation side that this node still holds, the first :limit of them, and why each is
+# where it is: sent and not yet acknowledged (or held, or delivered locally once due), arrived and not yet received
+# (or kept by the queue's retention), or dead-lettered; with how many it holds in all, how many of them wait to be
+# sent, and how many arrived and are not received.  What was acknowledged or received and deleted is counted, not
+# listed.
 CONVERSATION_MESSAGES = text("""
+    SELECT m.*, count(*) OVER () AS held_here,
+           count(*) FILTER (WHERE m.direction = 'sent') OVER () AS waiting_to_send,
+           count(*) FILTER (WHERE m.direction <> 'sent' AND m.sequence_number > 0  -- notices (0) are not numbered
+                                  AND m.status NOT LIKE 'received%') OVER () AS not_received
+    FROM (
     SELECT 'sent' AS direction, t.message_sequence_number AS sequence_number, t.message_type, t.body_bytes,
            t.enqueued_at AS since, t.attempts, t.transmission_status AS status, t.traceparent
     FROM broker.transmission_queue_status t WHERE t.conversation_handle = :handle
@@ -239,8 +246,9 @@ CONVERSATION_MESSAGES = text("""
            d.failed_attempts, format('dead-lettered at %s: %s', to_char(d.dead_lettered_at, 'YYYY-MM-DD HH24:MI:SS TZ'),
                                      d.reason),
            d.traceparent
-    FROM broker.dead_letters d WHERE d.conversation_handle = :handle
-    ORDER BY direction DESC, sequence_number
+    FROM broker.dead_letters d WHERE d.conversation_handle = :handle) m
+    ORDER BY m.direction DESC, m.sequence_number
+    LIMIT :limit
 """)
 ENDPOINTS_NAMED = text("SELECT * FROM broker.conversation_endpoints"
                        " WHERE conversation_handle = ANY(CAST(:handles AS uuid[]))")
@@ -274,8 +282,8 @@ def group_of_lock(connection: Connection, lock_token: UUID) -> UUID | None:
     return connection.execute(GROUP_OF_LOCK, {"token": lock_token}).scalar()
 
 
-def conversation_messages(connection: Connection, handle: UUID) -> list[Row]:
-    return connection.execute(CONVERSATION_MESSAGES, {"handle": handle}).all()
+def conversation_messages(connection: Connection, handle: UUID, limit: int) -> list[Row]:
+    return connection.execute(CONVERSATION_MESSAGES, {"handle": handle, "limit": limit}).all()
 
 
 def endpoint(connection: Connection, handle: UUID) -> Row | None:
@@ -433,17 +441,26 @@ def ingests(connection: Connection) -> list[Row]:
     return connection.execute(INGESTS).all()
 
 
+# Up to :limit dead letters after the first :offset, as far as their bodies come to :max_bytes (the first one
+# whatever its size); the bodies' lengths are read without reading the bodies.
 DEAD_LETTERS = text("""
     SELECT dead_letter_id, conversation_handle, conversation_id, message_sequence_number, message_type, body,
            enqueued_at, dead_lettered_at, failed_attempts, reason, traceparent
-    FROM broker.dead_letters WHERE queue_name = :queue
-    ORDER BY dead_letter_id LIMIT :limit OFFSET :offset
+    FROM (SELECT d.dead_letter_id, sum(coalesce(octet_length(d.body), 0)) OVER (ORDER BY d.dead_letter_id) AS bytes,
+                 row_number() OVER (ORDER BY d.dead_letter_id) AS place
+          FROM (SELECT dead_letter_id, body FROM broker.dead_letters WHERE queue_name = :queue
+                ORDER BY dead_letter_id LIMIT :limit OFFSET :offset) d) listed
+    JOIN broker.dead_letters USING (dead_letter_id)
+    WHERE listed.place = 1 OR listed.bytes <= :max_bytes
+    ORDER BY dead_letter_id
 """)
 
 
-def dead_letters(connection: Connection, queue: str, limit: int, offset: int) -> list[Row]:
-    """A queue's dead letters, oldest first, with why each was dead-lettered."""
-    return connection.execute(DEAD_LETTERS, {"queue": queue, "limit": limit, "offset": offset}).all()
+def dead_letters(connection: Connection, queue: str, limit: int, offset: int, max_bytes: int) -> list[Row]:
+    """A queue's dead letters, oldest first, with why each was dead-lettered: at most limit, and only as many as
+    come to max_bytes of bodies, but always the first."""
+    return connection.execute(DEAD_LETTERS, {"queue": queue, "limit": limit, "offset": offset,
+                                             "max_bytes": max_bytes}).all()
 
 
 def latest_dead_letters(connection: Connection, limit: int) -> list[Row]:

@@ -16,7 +16,7 @@ from api.problems import KEYED, READS_BODY, error_responses
 from api.types import Name, Number, Text, integer, known_query_parameters
 from broker import queries
 from broker.api_keys import ApiKey
-from broker.cli.status import conversation_life
+from broker.cli.status import MESSAGES_LISTED, conversation_life
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=error_responses(*KEYED),
                    dependencies=[Depends(known_query_parameters)])
@@ -85,7 +85,9 @@ class ConversationLife(BaseModel):
     sent_and_gone: int = Field(description="of those, acknowledged by the far node (or delivered to a local one)")
     arrived: int = Field(description="messages that arrived for this side, in order")
     arrived_and_received: int = Field(description="of those, received (consumed)")
-    messages: list[ConversationMessage]
+    messages: list[ConversationMessage] = Field(
+        description=f"the first {MESSAGES_LISTED:,} messages this side holds here")
+    messages_not_listed: int = Field(description="how many more it holds here, past those listed")
 
 
 IDEMPOTENT = ("makes the send idempotent: the number this message must get. Resending the same number with the same "

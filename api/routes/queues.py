@@ -388,13 +388,16 @@ def purge_queue(queue: NamePath, key: Key, db: Database) -> Purged:
 @router.get("/v1/queues/{queue}/dead-letters", response_model=list[DeadLetterMessage],
             summary="A queue's dead letters", responses=error_responses(404, 422))
 def list_dead_letters(queue: NamePath, key: Key, db: Database,
-                      limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62)) -> Response:
+                      limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62),
+                      max_bytes: int = Query(4 * 1024 * 1024, ge=1, le=64 * 1024 * 1024, description=(
+                          "at most this many bytes of bodies, as stored; the first letter comes whatever its size: "
+                          "page on with offset"))) -> Response:
     """The queue's dead letters, oldest first, each with why it was dead-lettered."""
     require(key, f"receive:{queue}")
     with db.connect() as connection:
         if queries.queue_id(connection, queue) is None:
             raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
-        letters = queries.dead_letters(connection, queue, limit, offset)
+        letters = queries.dead_letters(connection, queue, limit, offset, max_bytes)
     return Response(f"[{','.join(_dead_letter_json(letter) for letter in letters)}]", media_type="application/json")
 
 

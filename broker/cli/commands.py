@@ -368,6 +368,11 @@ def purge(queue: str = typer.Argument(..., help="the queue to empty"),
     console.print(f"purged {purged} messages from {visible(queue)!r}", markup=False, highlight=False)
 
 
+# What `broker dead-letters` reads of their bodies at most: it shows none of them, and shows fewer letters than
+# --limit only when the bodies of that many come to more.
+DEAD_LETTER_BYTES_READ = 64 * 2**20
+
+
 @app.command("dead-letters")
 def dead_letters(queue: str = typer.Argument(..., help="the queue whose dead letters to show"),
                  limit: int = typer.Option(50, min=1, max=1000, help="show at most this many, oldest first"),
@@ -389,7 +394,7 @@ def dead_letters(queue: str = typer.Argument(..., help="the queue whose dead let
     with database_engine() as engine, engine.connect() as connection:
         if queries.queue_id(connection, queue) is None:
             raise typer.BadParameter(f"unknown queue {visible(queue)!r}", param_hint="QUEUE")
-        letters = queries.dead_letters(connection, queue, limit, 0)
+        letters = queries.dead_letters(connection, queue, limit, 0, DEAD_LETTER_BYTES_READ)
     table = Table("conversation", "number", "message type", "attempts", "dead-lettered at", "reason")
     for letter in letters:
         add_cells(table, letter.conversation_handle, letter.message_sequence_number, letter.message_type,
@@ -490,6 +495,8 @@ def _print_conversation(life: dict) -> None:
                   "" if m["body_bytes"] is None else f"{m['body_bytes']:,}", f"{m['since']:%Y-%m-%d %H:%M:%S}",
                   str(m["attempts"]), m["status"])
     console.print(messages if messages.row_count else Text("Messages on this node: none", style="dim"))
+    if life["messages_not_listed"]:
+        console.print(f"… and {life['messages_not_listed']:,} more on this node, not listed.")
 
 
 @app.command()

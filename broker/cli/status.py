@@ -46,24 +46,30 @@ def lost_messages_explained(lost: dict[str, Any]) -> str:
             "missing": numbers}[lost["outcome"]]
 
 
+# A conversation's messages listed at most, by `broker status --conversation`, the REST API and the console: the
+# rest are counted.
+MESSAGES_LISTED = 1000
+COUNTS = {"held_here", "waiting_to_send", "not_received"}
+
+
 def conversation_life(connection: Connection, handle: UUID) -> dict[str, Any] | None:
     """One side of a conversation on this node: the side itself, how many messages it sent and how many of those
     are gone (acknowledged by the far node, or delivered to a local one), how many arrived and how many of those
-    were received, and every message still here with why it waits.  None for an unknown handle."""
+    were received, and the first MESSAGES_LISTED messages still here with why each waits, and how many more are
+    not listed.  None for an unknown handle."""
     side = queries.endpoint(connection, handle)
     if side is None:
         return None
-    messages = queries.as_dicts(queries.conversation_messages(connection, handle))
-    waiting_to_send = sum(m["direction"] == "sent" for m in messages)
-    still_here = sum(m["direction"] != "sent" and m["sequence_number"] > 0  # notices (0) are not numbered
-                     and not m["status"].startswith("received") for m in messages)
+    rows = queries.conversation_messages(connection, handle, MESSAGES_LISTED)
+    counts = rows[0] if rows else None
     return {
         "conversation": side._asdict(),
         "sent": side.send_sequence,
-        "sent_and_gone": side.send_sequence - waiting_to_send,
+        "sent_and_gone": side.send_sequence - (counts.waiting_to_send if counts else 0),
         "arrived": side.receive_sequence,
-        "arrived_and_received": max(side.receive_sequence - still_here, 0),
-        "messages": messages,
+        "arrived_and_received": max(side.receive_sequence - (counts.not_received if counts else 0), 0),
+        "messages": [{name: value for name, value in row._mapping.items() if name not in COUNTS} for row in rows],
+        "messages_not_listed": counts.held_here - len(rows) if counts else 0,
     }
 
 

@@ -18,7 +18,7 @@ from tests.rest import ApiServer, new_key
 
 def _letters(engine, queue=WAREHOUSE_QUEUE):
     with engine.connect() as connection:
-        return queries.dead_letters(connection, queue, 100, 0)
+        return queries.dead_letters(connection, queue, 100, 0, max_bytes=2**20)
 
 
 def _warehouse_side(engine):
@@ -191,6 +191,11 @@ def test_dead_letters_over_rest(database_url, orders, engine):
         assert letters[0]["body"] == {"sku": 1} and letters[1]["body"] is None and letters[1]["body_base64"]
         assert reader.get(f"/v1/queues/{WAREHOUSE_QUEUE}/dead-letters?limit=1&offset=1").json()[0][
             "sequence_number"] == 2
+        # Bodies of 10 and 3 bytes (UTF-8): as many letters as come to max_bytes, and the first whatever its size.
+        listed = {max_bytes: len(reader.get(f"/v1/queues/{WAREHOUSE_QUEUE}/dead-letters?max_bytes={max_bytes}").json())
+                  for max_bytes in (1, 12, 13)}
+        assert listed == {1: 1, 12: 1, 13: 2}
+        assert reader.get(f"/v1/queues/{WAREHOUSE_QUEUE}/dead-letters?max_bytes=0").status_code == 422
         assert reader.get("/v1/queues/no_such_queue/dead-letters").status_code == 403
         assert admin.get("/v1/queues/no_such_queue/dead-letters").status_code == 404
         assert reader.post(f"/v1/queues/{WAREHOUSE_QUEUE}/dead-letters/resubmit",

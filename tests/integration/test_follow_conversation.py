@@ -9,6 +9,7 @@ from uuid import uuid4
 import httpx
 
 import broker
+from broker.cli.status import MESSAGES_LISTED, conversation_life
 from tests.nodes import wait_for
 from tests.rest import new_key
 
@@ -72,3 +73,23 @@ def test_an_unknown_conversation_is_one_line_and_a_404(nodes):
     answer = httpx.get(f"{a.address}/v1/conversations/{unknown}/messages", timeout=10,
                        headers={"Authorization": f"Bearer {new_key(a.engine, 'admin')}"})
     assert answer.status_code == 404 and answer.json()["detail"] == f"unknown conversation {unknown}"
+
+
+def test_a_conversation_holding_more_than_it_lists_counts_the_rest(engine, orders, database_url):
+    """Following a side lists its first MESSAGES_LISTED messages and counts the rest, so that a side with a long
+    backlog is followed in bounded memory, by the node and by whoever asks."""
+    with engine.begin() as c:
+        handle = orders.begin(c)
+        c.exec_driver_sql("SELECT broker.send(%s, 'order.note', 'x') FROM generate_series(1, %s)",
+                          (str(handle), MESSAGES_LISTED + 5))
+        far_side = c.exec_driver_sql("SELECT conversation_handle FROM broker.endpoints WHERE NOT is_initiator"
+                                     ).scalar_one()
+    with engine.connect() as c:
+        life = conversation_life(c, far_side)
+    assert (life["arrived"], life["arrived_and_received"]) == (MESSAGES_LISTED + 5, 0)
+    assert [m["sequence_number"] for m in life["messages"]] == list(range(1, MESSAGES_LISTED + 1))
+    assert life["messages_not_listed"] == 5
+    table = subprocess.run([sys.executable, "-m", "broker.cli", "status", "--conversation", str(far_side)],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "BROKER_DATABASE_URL": database_url, "COLUMNS": "200"}).stdout
+    assert "… and 5 more on this node, not listed." in table
