@@ -383,8 +383,9 @@ def test_accepting_a_batch_never_waits_for_a_conversation_an_application_holds(n
 
 
 def test_messages_that_waited_longer_than_the_peer_remembers_are_withheld_not_sent_as_new(nodes):
-    """b learns nothing of it: a message a has held unacknowledged for longer than b keeps its tombstones might
-    open a conversation that b ended and forgot.  a stops that conversation instead, and says so."""
+    """A message a has held unacknowledged for longer than b keeps its tombstones might open a conversation that b
+    ended and forgot.  a stops that conversation instead, says so, and tells b: b, which was only down, takes the
+    error across the numbers withheld rather than waiting for them for ever."""
     from tests.integration.test_diagnose import _diagnose
 
     a, b = nodes
@@ -402,7 +403,7 @@ def test_messages_that_waited_longer_than_the_peer_remembers_are_withheld_not_se
         c.execute(text("UPDATE broker.transmission_queue SET enqueued_at = now() - interval '90 days'"))
     with a.engine.begin() as c:
         assert c.execute(text("SELECT broker.withhold_what_peers_forgot()")).scalar_one() == 1
-    assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0
+    assert a.scalar("SELECT string_agg(message_type, ',') FROM broker.transmission_queue_status") == "broker.error"
     with a.engine.connect() as c:
         letters = c.execute(text("SELECT message_sequence_number, convert_from(body, 'UTF8'), reason, queue_position"
                                  " FROM broker.dead_letters ORDER BY 1")).all()
@@ -415,3 +416,8 @@ def test_messages_that_waited_longer_than_the_peer_remembers_are_withheld_not_se
     assert code == 1
     [withheld] = [f for f in findings if f["check"].startswith("conversation ")]
     assert withheld["level"] == "error" and "messages 2 to 3 waited longer" in withheld["finding"]
+    b.start()
+    [error] = b.receive_all("warehouse_queue", 1, timeout_s=60)
+    assert error.message_type == "broker.error" and error.json()["code"] == -5
+    assert "messages 2 to 3 were not sent" in error.json()["description"]
+    assert b.scalar("SELECT state FROM broker.endpoints WHERE conversation_id = :id", id=error.conversation_id) == "error"

@@ -16,9 +16,12 @@
 -- may reach it after it forgot, and open the conversation anew.  So a
 -- conversation side whose oldest waiting message is older than its peer's
 -- retention, less margin, stops: what waits of it moves to the dead letters
--- (queue_position 0: never delivered) with the reason, it ends here with a
--- broker.error notice, code -5, and nothing more goes to the peer, which may
--- not know it.  Conversations that an application holds are passed over
+-- (queue_position 0: never delivered) with the reason, and the conversation
+-- ends with broker.error -5 on both sides: the peer takes the error across the
+-- numbers withheld (a peer that was only down would otherwise wait for them
+-- for ever, and its replies would be discarded here; one that did forget the
+-- conversation gets an error for a conversation it ended, which delivers
+-- nothing twice).  Conversations that an application holds are passed over
 -- until the next call.  Returns how many conversations stopped.  A running
 -- relay calls it every minute.
 CREATE OR REPLACE FUNCTION broker.withhold_what_peers_forgot(margin interval DEFAULT '1 hour') RETURNS integer
@@ -67,10 +70,8 @@ BEGIN
         )
         SELECT min(message_sequence_number), max(message_sequence_number) INTO first_number, last_number
         FROM lettered;
-        UPDATE broker.endpoints SET state = 'error', timer_at = NULL WHERE conversation_handle = e.conversation_handle;
-        PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id,
-                                broker._error_body(-5, format('messages %s to %s were %s', first_number, last_number,
-                                                              reason)));
+        PERFORM broker._fail_conversation(e, -5, format('messages %s to %s were %s', first_number, last_number,
+                                                         reason));
         PERFORM broker._record_lost_messages(e, 'sent', first_number, last_number, 'withheld');
         stopped := stopped + 1;
     END LOOP;
