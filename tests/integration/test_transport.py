@@ -421,3 +421,31 @@ def test_messages_that_waited_longer_than_the_peer_remembers_are_withheld_not_se
     assert error.message_type == "broker.error" and error.json()["code"] == -5
     assert "messages 2 to 3 were not sent" in error.json()["description"]
     assert b.scalar("SELECT state FROM broker.endpoints WHERE conversation_id = :id", id=error.conversation_id) == "error"
+
+
+def test_a_probe_of_an_old_acknowledged_message_is_asked_now_and_never_withheld(nodes):
+    """The relay asks a quiet peer again for the last number it acknowledged (broker.probe_conversation).  The
+    question is new, however old its message: while the peer is down it waits like any message sent now, and is not
+    withheld as one that waited longer than the peer remembers; once the peer is back it acknowledges a duplicate."""
+    a, b = nodes
+    with b.engine.begin() as c:
+        c.execute(text("UPDATE broker.node SET tombstone_retention = '1 day'"))
+    with a.engine.begin() as c:
+        handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
+        broker.send(c, handle, "order.note", "acknowledged a day ago")
+    b.receive_all("warehouse_queue", 1)
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the acknowledgement")
+    b.stop()
+    with a.engine.begin() as c:
+        c.execute(text("UPDATE broker.acknowledged_messages SET enqueued_at = now() - interval '23 hours 30 minutes'"))
+        conversation = c.execute(text("SELECT conversation_id FROM broker.endpoints WHERE conversation_handle = :h"),
+                                 {"h": handle}).scalar_one()
+        assert c.execute(text("SELECT broker.probe_conversation(:c, true)"), {"c": conversation}).scalar_one() == 1
+        assert c.execute(text("SELECT broker.withhold_what_peers_forgot()")).scalar_one() == 0
+    assert a.scalar("SELECT state FROM broker.endpoints WHERE conversation_handle = :h", h=handle) == "conversing"
+    b.start()
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the duplicate's acknowledgement")
+    assert a.scalar("SELECT count(*) FROM broker.acknowledged_messages") == 1
+    assert a.scalar("SELECT count(*) FROM broker.lost_messages") == 0
+    with b.engine.begin() as c:
+        assert broker.receive(c, "warehouse_queue", 10) == []

@@ -333,27 +333,34 @@ GRANT EXECUTE ON FUNCTION broker._send_again(uuid,bigint,bigint) TO broker_relay
 -- sent (the next batch asks then).  A far node that holds it acknowledges it
 -- as a duplicate; one that went back to an earlier point takes it again, or
 -- asks for the numbers it lacks (broker.apply_transport_results).  Only sides
--- that converse are asked.  Returns how many were asked.
+-- that converse are asked.  A question is enqueued now, not when its message
+-- first was: it has not waited (broker.withhold_what_peers_forgot, the
+-- backlog's age).  Returns how many were asked.
 CREATE OR REPLACE FUNCTION broker._probe(handles uuid[]) RETURNS integer
 LANGUAGE sql AS $$
-    WITH taken AS (
-        DELETE FROM broker.acknowledged_messages k
-        USING broker.transmission_progress p, broker.endpoints e
-        WHERE p.conversation_handle = ANY (handles) AND e.conversation_handle = p.conversation_handle
+    WITH asked_of AS (
+        SELECT k.ctid AS kept
+        FROM broker.transmission_progress p
+        JOIN broker.endpoints e ON e.conversation_handle = p.conversation_handle
+        JOIN broker.acknowledged_messages k ON k.conversation_handle = p.conversation_handle
+                                           AND k.message_sequence_number = p.acknowledged_sequence
+        WHERE p.conversation_handle = ANY (handles)
           AND e.state IN ('conversing', 'disconnected_outbound') AND NOT e.far_is_local
-          AND k.conversation_handle = p.conversation_handle AND k.message_sequence_number = p.acknowledged_sequence
           AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
                           WHERE t.to_service = e.far_service AND t.priority = e.priority
                             AND t.conversation_handle = e.conversation_handle)
-        RETURNING k.*, e.conversation_id, e.far_service, e.priority
+        FOR UPDATE OF k SKIP LOCKED  -- another lane sends it again or asks already
+    ), taken AS (
+        DELETE FROM broker.acknowledged_messages k WHERE k.ctid = ANY (ARRAY(SELECT a.kept FROM asked_of a))
+        RETURNING k.*
     ), asked AS (
         INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body, enqueued_at, transmission_status,
-                                               priority, traceparent)
-        SELECT k.conversation_handle, k.message_sequence_number, k.conversation_id, k.far_service, k.message_type_id,
-               k.body, k.enqueued_at, 'sent again to ask whether the far node still holds it', k.priority,
-               k.traceparent
+                                               to_service, message_type_id, body, transmission_status, priority,
+                                               traceparent)
+        SELECT k.conversation_handle, k.message_sequence_number, e.conversation_id, e.far_service, k.message_type_id,
+               k.body, 'sent again to ask whether the far node still holds it', e.priority, k.traceparent
         FROM taken k
+        JOIN broker.endpoints e ON e.conversation_handle = k.conversation_handle
         RETURNING 1
     )
     SELECT count(*)::integer FROM asked;
