@@ -87,7 +87,11 @@ BEGIN
     END IF;
     PERFORM set_config('lock_timeout', '5s', true);
     LOCK TABLE broker.queue_position_base IN ACCESS EXCLUSIVE MODE;
-    added := greatest((broker._highest_queue_position() - broker._queue_position_now()) >> 20, -1) + 1;
+    -- Past the oldest transaction still running, not this one: one that had its id before the lock (it wrote
+    -- something else first) makes its positions after it.
+    SELECT greatest((broker._highest_queue_position()
+                     - ((pg_snapshot_xmin(pg_current_snapshot())::text::bigint + b.xid_offset) << 20)) >> 20, -1) + 1
+    INTO added FROM broker.queue_position_base b;
     UPDATE broker.queue_position_base SET xid_offset = xid_offset + added;
     RETURN added;
 END $$;
