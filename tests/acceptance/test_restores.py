@@ -226,6 +226,43 @@ def test_a_receiver_that_went_back_gets_again_what_it_lost_though_nothing_more_i
         b.stop()
 
 
+def test_a_node_that_went_back_to_before_a_conversation_ended_is_told_it_ended_when_it_sends_on_it(pair, tmp_path):
+    """b goes back to before the conversation ended on both sides and a forgot it: what b's application sends on it
+    reaches a's tombstone, which refuses the numbers it never took before the end, so b's side ends with
+    broker.error -3 saying so, instead of being acknowledged into nothing."""
+    a, b, cluster = pair
+    with a.engine.begin() as c:
+        c.exec_driver_sql("UPDATE broker.node SET closed_endpoint_retention = '0'")
+    going = Going("base backup", cluster, tmp_path)
+    [handle] = conversations_begun(a, 1)
+    send(a, [handle], 1, "the order")
+    [b_handle] = handles_by_conversation(b, received(b, "warehouse_queue", 1)).values()
+    drained(a)
+    going.mark_before()
+
+    send(b, [b_handle], 1, "the reply")
+    received(a, "shop_queue", 1)
+    with a.engine.begin() as c:
+        broker.end_conversation(c, handle)
+    received(b, "warehouse_queue", 1)
+    with b.engine.begin() as c:
+        broker.end_conversation(c, b_handle)
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.forgotten_conversations") == 1, 30, "a to forget it")
+    b = going.go_back(b)
+    try:
+        send(b, [b_handle], 1, "sent after b went back")
+        [(kind, body)] = [m for m in received(b, "warehouse_queue", 2).popitem()[1] if m[0] == "broker.error"]
+        assert json.loads(body)["code"] == -3
+        assert "ended on the receiving node after message 2" in json.loads(body)["description"]
+        with b.engine.connect() as c:
+            assert c.exec_driver_sql("SELECT state FROM broker.endpoints WHERE conversation_handle = %s",
+                                     (b_handle,)).scalar_one() == "error"
+        with a.engine.begin() as c:
+            assert broker.receive(c, "shop_queue", 10) == []
+    finally:
+        b.stop()
+
+
 def test_what_the_resend_window_no_longer_holds_ends_the_conversation_on_both_sides_and_is_never_silent(pair,
                                                                                                        tmp_path):
     a, b, cluster = pair

@@ -158,6 +158,23 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION broker._accept_messages(broker.endpoints,jsonb) TO broker_relay;
 
+-- A side that ended here (closed, or closed and forgotten) took the numbers up
+-- to ended_after; a sender that sends past them sent after its own end of the
+-- conversation, which it no longer knows of (its database went back to before
+-- it), and is refused (BR020) so that its side ends too, rather than having them
+-- acknowledged into nothing.  A broker.error is taken: that side ends anyway.
+CREATE OR REPLACE FUNCTION broker._refuse_past_the_end(ended_after bigint, last_sent bigint, ends_it boolean)
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF last_sent > ended_after AND NOT ends_it THEN
+        PERFORM broker._raise('BR020', format(
+            'the conversation ended on the receiving node after message %s; later messages are not taken (did the '
+            'sending node''s database go back to before it ended?)', ended_after));
+    END IF;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._refuse_past_the_end(bigint, bigint, boolean) TO broker_relay;
+
 -- One conversation of a batch, in a subtransaction of its own so that a bad
 -- conversation never spoils the rest.  The result acknowledges the highest
 -- number held without a gap, says which number was held before the batch, and
@@ -183,6 +200,7 @@ DECLARE
     known boolean;
     tombstone broker.forgotten_conversations;
     first_sent bigint := (SELECT min((m ->> 'sequence_number')::bigint) FROM jsonb_array_elements(header -> 'messages') m);
+    last_sent bigint := (SELECT max((m ->> 'sequence_number')::bigint) FROM jsonb_array_elements(header -> 'messages') m);
     ends_it boolean := jsonb_path_exists(header -> 'messages', '$[*] ? (@.message_type == "broker.error")');
     held bigint;
     acknowledged bigint;
@@ -203,9 +221,9 @@ BEGIN
             WHERE f.conversation_id = conversation AND f.is_initiator = NOT sender_is_initiator
               AND f.far_broker_instance = from_instance;
             IF FOUND THEN  -- closed and forgotten here: take nothing, and let the sender stop resending
-                RETURN result || jsonb_build_object('acknowledged', greatest(tombstone.receive_sequence,
-                    (SELECT max((m ->> 'sequence_number')::bigint)
-                     FROM jsonb_array_elements(header -> 'messages') m)), 'held', tombstone.receive_sequence);
+                PERFORM broker._refuse_past_the_end(tombstone.receive_sequence, last_sent, ends_it);
+                RETURN result || jsonb_build_object('acknowledged', greatest(tombstone.receive_sequence, last_sent),
+                                                    'held', tombstone.receive_sequence);
             END IF;
         END IF;
         IF NOT known AND sender_is_initiator AND first_sent > 1 AND NOT ends_it
@@ -221,6 +239,9 @@ BEGIN
             PERFORM broker._raise('BR005', format('unknown conversation %s', conversation));
         END IF;
         held := e.receive_sequence;
+        IF e.state = 'closed' THEN
+            PERFORM broker._refuse_past_the_end(held, last_sent, ends_it);
+        END IF;
         IF first_sent > held + 1 AND NOT ends_it THEN
             PERFORM broker._record_lost_messages(e, 'received', held + 1, first_sent - 1, 'missing');
             RETURN result || jsonb_build_object('acknowledged', held, 'held', held, 'waiting', format(
@@ -255,7 +276,7 @@ BEGIN
         e := broker._lock_endpoint(e.conversation_handle);
         PERFORM broker._fail_conversation(e, -3, 'the conversation was refused: ' || failure);
     END IF;
-    RETURN result || jsonb_build_object('acknowledged', coalesce(e.receive_sequence, 0),
+    RETURN result || jsonb_build_object('acknowledged', coalesce(e.receive_sequence, tombstone.receive_sequence, 0),
                                         'refused', jsonb_build_object('sqlstate', failed_sqlstate, 'reason', failure));
 END $$;
 GRANT EXECUTE ON FUNCTION broker._accept_conversation(uuid,jsonb) TO broker_relay;

@@ -9,7 +9,9 @@
 -- days, say) may send the conversation's messages again, and they must not
 -- open the conversation anew and be delivered twice (invariant 3).  The
 -- tombstone acknowledges them and delivers nothing, as the closed endpoint did
--- (broker.forgotten_conversations: the transport reads it too).
+-- (broker.forgotten_conversations: the transport reads it too); numbers past
+-- those the conversation took before it ended it refuses (see
+-- broker._accept_conversation).
 
 -- A peer forgets a conversation it ended after its tombstone_retention (see
 -- broker.peer_retention): a message it has not acknowledged after that long
