@@ -27,7 +27,7 @@ from sqlalchemy.pool import NullPool
 
 from broker import queries
 from broker.listening import listen
-from broker.masking import printable
+from broker.masking import visible
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class Activator:
         diagnostics = getattr(error.orig, "diag", None)
         reason = (diagnostics.message_primary if diagnostics and diagnostics.message_primary
                   else str(error.orig).splitlines()[0])[:LAST_FAILURE_CHARS]
-        log.warning("the activated procedure of queue %s failed and was rolled back: %s", queue, printable(reason))
+        log.warning("the activated procedure of queue %s failed and was rolled back: %s", queue, visible(reason))
         with self.lock:
             tally = self.tallies.setdefault(queue, Tally())
             tally.failures += 1

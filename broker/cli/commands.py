@@ -1,5 +1,4 @@
 """The `broker` command."""
-import re
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from sqlalchemy import Engine, create_engine
 
 from broker import migrate as migrations
 from broker.cli.embedded import EmbeddedPostgres
-from broker.masking import mask_passwords
+from broker.masking import mask_passwords, visible
 from broker.cli.settings import Settings
 
 app = typer.Typer(help="Exactly-once-in-order messaging between PostgreSQL databases.", no_args_is_help=True,
@@ -40,7 +39,6 @@ stderr = _console(to_stderr=True)  # failures and notices: stdout keeps what a s
 
 # PostgreSQL's errors for a schema, table or function that is not there: the broker schema is missing or old.
 SCHEMA_MISSING = {"3F000", "42P01", "42883"}
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class MissingExtra(Exception):
@@ -87,11 +85,6 @@ def failure_line(error: Exception) -> str:
     if isinstance(cause, psycopg2.Error) and cause.pgcode in SCHEMA_MISSING:
         return f"the database has no broker schema of this version ({first}): run `broker migrate`"
     return f"{type(cause).__name__}: {first}"
-
-
-def visible(text: str) -> str:
-    """Text with control characters (an escape sequence's ESC among them) written as \\xNN, not acted on."""
-    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 def cell(value: object) -> Text:

@@ -3,7 +3,7 @@ accepted only when the destination signed it as the answer to this very request 
 names."""
 import httpx
 
-from broker.masking import printable
+from broker.masking import visible
 from broker.transport import signing, wire
 
 
@@ -71,7 +71,7 @@ def peer_wire_versions(client: httpx.Client, address: str) -> tuple[int, ...]:
 
 def _detail(response: httpx.Response) -> str:
     """A refusal's problem document, cut short, to say why; nothing when the answer is not JSON."""
-    return printable(response.text[:300]) if "json" in response.headers.get("content-type", "") else ""
+    return visible(response.text[:300]) if "json" in response.headers.get("content-type", "") else ""
 
 
 def post_batch(client: httpx.Client, destination, our_instance: str, batch: bytes, version: int, secret: str) -> str:
@@ -110,6 +110,6 @@ def post_batch(client: httpx.Client, destination, our_instance: str, batch: byte
     except (ValueError, TypeError, KeyError):
         raise TransportFailure(f"{address} answered something other than a transport answer") from None
     if instance != str(destination.broker_instance):
-        raise TransportFailure(f"{address} is broker instance {printable(str(instance))}, "
+        raise TransportFailure(f"{address} is broker instance {visible(str(instance))}, "
                                f"the route expects {destination.broker_instance}")
     return response.text

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from broker.masking import mask_passwords, printable
+from broker.masking import mask_passwords, visible
 from broker.transport import sending, signing, wire
 
 SECRET = "shared-secret"
@@ -97,6 +97,6 @@ def test_text_from_a_peer_or_a_procedure_is_recorded_and_logged_with_its_control
     written as its escape."""
     answer = httpx.Response(500, headers={"content-type": "application/problem+json"},
                             text='{"detail": "a\x00b\x1b[2Jc\nforged line"}')
-    assert sending._detail(answer) == '{"detail": "a\\x00b\\x1b[2Jc\\nforged line"}'
-    assert printable("the procedure said: \x1b]0;title\x07\r\nWARNING forged") == \
-        "the procedure said: \\x1b]0;title\\x07\\r\\nWARNING forged"
+    assert sending._detail(answer) == '{"detail": "a\\x00b\\x1b[2Jc\\x0aforged line"}'
+    assert visible("the procedure said: \x1b]0;title\x07\r\nWARNING forged") == \
+        "the procedure said: \\x1b]0;title\\x07\\x0d\\x0aWARNING forged"
