@@ -181,6 +181,15 @@ def _secret_variables(routes: dict[str, dict[str, Any]]) -> dict[str, str]:
 # --- A file ---------------------------------------------------------------------------------------
 
 
+def _is_utf8(text: str) -> bool:
+    """Whether the text came from UTF-8 (Python reads other bytes of the environment as lone surrogates)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def load(text: str, source: str, environ: Mapping[str, str] = os.environ) -> Catalog:
     """The catalog a file defines, with each route's secret taken from the environment; DefinitionsError names
     the line and column of what is wrong."""
@@ -200,15 +209,22 @@ class _Reader:
         return DefinitionsError(f"{self.place(node)}: {message}")
 
     def read(self, text: str) -> Catalog:
-        self.loader = yaml.SafeLoader(text)
+        """The catalog, or DefinitionsError: also for YAML that is malformed, nested past Python's recursion limit,
+        or uses what a catalog never does (tags, merge keys)."""
         try:
-            root = self.loader.get_single_node()
+            return self.catalog(text)
         except yaml.MarkedYAMLError as error:
             mark = error.problem_mark or error.context_mark
-            raise DefinitionsError(f"{self.source}:{mark.line + 1}:{mark.column + 1}: not valid YAML: "
+            raise DefinitionsError(f"{self.source}:{mark.line + 1}:{mark.column + 1}: not valid YAML here: "
                                    f"{error.problem or error.context}") from None
         except yaml.YAMLError as error:
             raise DefinitionsError(f"{self.source}: not valid YAML: {error}") from None
+        except RecursionError:
+            raise DefinitionsError(f"{self.source}: nested too deeply to be a catalog") from None
+
+    def catalog(self, text: str) -> Catalog:
+        self.loader = yaml.SafeLoader(text)
+        root = self.loader.get_single_node()
         if root is None:
             raise DefinitionsError(f"{self.source}: the file is empty: start from `broker definitions export`")
         catalog = Catalog({section: {} for section in SECTIONS}, source=self.source)
@@ -245,6 +261,10 @@ class _Reader:
         if type(value) is not kind:
             hint = " (quote it)" if kind is str and isinstance(node, yaml.ScalarNode) and value is not None else ""
             raise self.refuse(node, f"{what} must be {TYPE_NAMES[kind]}{hint}")
+        if kind is str and "\0" in value:
+            raise self.refuse(node, f"{what} holds a NUL character, which no name or setting may")
+        if kind is int and not -2**31 <= value < 2**31:
+            raise self.refuse(node, f"{what} is out of range: at most {2**31 - 1:,}")
         return value
 
     def entry(self, section: str, name: str, node: yaml.Node) -> dict[str, Any]:
@@ -295,7 +315,11 @@ class _Reader:
         if variable not in self.environ:
             raise self.refuse(variable_node, f"the secret of {what} is in ${variable}, which is not set: set it "
                                              "to the secret shared with that node")
-        return Secret(self.environ[variable], variable)
+        secret = self.environ[variable]
+        if "\0" in secret or not _is_utf8(secret):
+            raise self.refuse(variable_node, f"${variable}, the secret of {what}, holds what a secret may not "
+                                             "(a NUL character, or bytes that are not UTF-8)")
+        return Secret(secret, variable)
 
     def check_values(self, section: str, what: str, settings: dict[str, Any], given: dict[str, yaml.Node]) -> None:
         """What can be told from the entry alone; the node checks the rest (names, ranges) as it applies it."""

@@ -304,6 +304,16 @@ def export_definitions(output: Path = typer.Option(None, "--output", "-o", dir_o
     stderr.print(f"wrote the catalog to {visible(str(output))}", markup=False, highlight=False)
 
 
+def _text_of(file: Path) -> str:
+    """A definitions file's text; DefinitionsError when it is not UTF-8."""
+    from broker.definitions import DefinitionsError
+
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DefinitionsError(f"{file}: not UTF-8 text (byte {error.start + 1} is not)") from None
+
+
 @definitions.command("apply")
 def apply_definitions(
     file: Path = typer.Argument(..., exists=True, dir_okay=False, help="a file `broker definitions export` wrote, "
@@ -321,7 +331,7 @@ def apply_definitions(
     from broker import definitions as catalog_file
 
     try:
-        wanted = catalog_file.load(file.read_text(), str(file))
+        wanted = catalog_file.load(_text_of(file), str(file))
         with database_engine() as engine, engine.connect() as connection:
             with connection.begin() as transaction:
                 if plan:
@@ -330,11 +340,11 @@ def apply_definitions(
                 else:
                     changes = catalog_file.make_match(connection, wanted, prune)
     except catalog_file.DefinitionsError as error:
-        stderr.print(f"broker: {visible(str(error))}; nothing was applied", markup=False, highlight=False,
-                     soft_wrap=True)
+        stderr.print(f"broker: {mask_passwords(visible(str(error)))}; nothing was applied", markup=False,
+                     highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     for change in changes:
-        console.print(visible(change.describe()), markup=False, highlight=False)
+        console.print(mask_passwords(visible(change.describe())), markup=False, highlight=False)
     done = sum(change.action != "keep" for change in changes)
     if not done:
         console.print("nothing to change", highlight=False)

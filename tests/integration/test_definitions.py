@@ -211,6 +211,11 @@ BAD_FILES = {
                                           "activations name queue 'old', which the file does not define"),
     "refused by the node": ("queues:\n  new: {}\n  'new but bad!': {}\n", "3:3",
                             "creating queue 'new but bad!': invalid queue name 'new but bad!' (BR050); use 1-128"),
+    "a NUL in a name": ('queues:\n  new: {}\n  "bad\\0name": {}\n', "3:3",
+                        "a name in queues holds a NUL character"),
+    "a number out of range": ("queues:\n  new: {}\n  other:\n    poison_threshold: 3000000000\n", "4:23",
+                              "poison_threshold of queue 'other' is out of range: at most 2,147,483,647"),
+    "a merge key": ("queues:\n  new: {}\n  other:\n    <<: {enabled: true}\n", "4:5", "not valid YAML here"),
 }
 
 
@@ -283,3 +288,28 @@ def test_alter_service_sets_the_contracts_a_service_accepts(rolled_back):
     for service, contracts in ((WAREHOUSE, ["nope"]), ("nowhere", [CONTRACT])):
         with pytest.raises(broker.UnknownObject), rolled_back.begin_nested():
             broker.alter_service(rolled_back, service, contracts)
+
+
+@pytest.mark.parametrize("write, env, message", [
+    (lambda path: path.write_text("queues:\n  other: " + "[" * 5000 + "]" * 5000 + "\n"), {},
+     "nested too deeply to be a catalog"),
+    (lambda path: path.write_bytes(b"queues:\n  caf\xe9: {}\n"), {}, "not UTF-8 text (byte 14 is not)"),
+    (lambda path: path.write_text(f"routes:\n  billing:\n    address: http://billing.example\n"
+                                  f"    broker_instance: {PEER}\n    secret: {{env: BROKER_SECRET_BILLING}}\n"),
+     {"BROKER_SECRET_BILLING": "not\udcffutf8"}, "holds what a secret may not"),
+    (lambda path: path.write_text(f"routes:\n  billing:\n    address: http://admin:hunter2pass@169.254.169.254\n"
+                                  f"    broker_instance: {PEER}\n    secret: {{env: BROKER_SECRET_BILLING}}\n"),
+     {"BROKER_SECRET_BILLING": SECRET}, "admin:***@169.254.169.254")],
+    ids=["nested too deeply", "not UTF-8", "a secret that is not UTF-8", "a password in an address"])
+def test_a_file_python_or_the_node_cannot_read_is_one_line_that_shows_no_password(database_url, engine, tmp_path,
+                                                                                  write, env, message):
+    path = tmp_path / "catalog.yaml"
+    write(path)
+    with engine.connect() as c:
+        before = broker_table_counts(c)
+    refused = _run("apply", str(path), database_url=database_url, env=env)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr and "hunter2pass" not in refused.stderr
+    [line] = refused.stderr.splitlines()
+    assert line.startswith(f"broker: {path}") and line.endswith("; nothing was applied") and message in line
+    with engine.connect() as c:
+        assert broker_table_counts(c) == before
