@@ -1,4 +1,5 @@
 """The `broker` command."""
+import math
 import signal
 import subprocess
 import sys
@@ -71,6 +72,13 @@ def main() -> None:
     except Exception as error:  # every failure, whatever raised it, is told the same way
         stderr.print(f"broker: {failure_line(error)}", markup=False, highlight=False, soft_wrap=True)
         raise SystemExit(1) from None
+
+
+def finite(value: float | None) -> float | None:
+    """An option's number, refused when it is not one (nan) or infinite: a range lets nan through."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number of seconds")
+    return value
 
 
 def failure_line(error: Exception) -> str:
@@ -504,9 +512,9 @@ def _print_conversation(life: dict) -> None:
 
 @app.command()
 def diagnose(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
-             max_wait: float = typer.Option(300.0, "--max-wait", min=0, metavar="SECONDS",
-                                            help="a message waiting longer than this for its destination node is "
-                                                 "a problem")) -> None:
+             max_wait: float = typer.Option(300.0, "--max-wait", min=0, max=10**9, callback=finite,
+                                            metavar="SECONDS", help="a message waiting longer than this for its "
+                                                                    "destination node is a problem")) -> None:
     """Check the configuration end to end: schema, queues, routes, a relay for every destination, and every peer
     (answers, is the instance its route names, accepts our signature, clock, services, queues, contracts, a route
     back).
@@ -555,7 +563,7 @@ def ingest(
                                 help="keep running: a run whenever messages commit to the queue, in one "
                                      "SparkSession, one log line each, until SIGTERM or Ctrl-C (which let the run "
                                      "in progress finish)"),
-    interval: float = typer.Option(None, min=0.1, metavar="SECONDS",
+    interval: float = typer.Option(None, min=0.1, max=3600, callback=finite, metavar="SECONDS",
                                    help="with --follow: look at least this often, besides waking on each commit "
                                         "(default: 5)"),
 ) -> None:

@@ -81,3 +81,15 @@ def test_an_interval_without_follow_is_refused_before_anything_starts(database_u
     result = _run("ingest", "--queue", WAREHOUSE_QUEUE, "--output", "/tmp/lake", "--interval", "3",
                   database_url=database_url)
     assert result.returncode == 2 and "--interval goes with --follow" in result.stderr
+
+
+@pytest.mark.parametrize("arguments", [
+    ("ingest", "--queue", WAREHOUSE_QUEUE, "--output", "/tmp/lake", "--follow", "--interval", "nan"),
+    ("ingest", "--queue", WAREHOUSE_QUEUE, "--output", "/tmp/lake", "--follow", "--interval", "1e300"),
+    ("diagnose", "--max-wait", "nan"),
+    ("diagnose", "--max-wait", "inf")], ids=["interval nan", "interval 1e300", "max-wait nan", "max-wait inf"])
+def test_a_number_of_seconds_that_is_not_finite_or_in_range_is_refused_before_anything_starts(database_url,
+                                                                                              arguments):
+    result = _run(*arguments, database_url=database_url)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "not a finite number" in result.stderr or "not in the range" in result.stderr
