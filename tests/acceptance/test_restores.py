@@ -263,6 +263,33 @@ def test_a_node_that_went_back_to_before_a_conversation_ended_is_told_it_ended_w
         b.stop()
 
 
+def test_a_node_that_went_back_to_before_it_began_a_conversation_is_found_when_the_far_side_replies(pair, tmp_path):
+    """b begins a conversation and sends on it, then goes back to before it began: a's reply is refused as an
+    unknown conversation, and a, which received b's messages on it, ends its side with broker.error -4 and records
+    what b lost of it, rather than a plain refusal."""
+    a, b, cluster = pair
+    going = Going("base backup", cluster, tmp_path)
+    going.mark_before()
+    with b.engine.begin() as c:
+        handle = broker.begin_dialog(c, "warehouse", "shop", "orders")
+        for n in range(3):
+            broker.send(c, handle, "order.note", f"b's message {n}")
+    at_a = received(a, "shop_queue", 3)
+    drained(b)
+    b = going.go_back(b)
+    try:
+        [a_handle] = handles_by_conversation(a, at_a).values()
+        send(a, [a_handle], 1, "a's reply")
+        [(kind, body)] = received(a, "shop_queue", 1).popitem()[1]
+        assert kind == "broker.error" and json.loads(body)["code"] == -4
+        assert "went back to before it began" in json.loads(body)["description"]
+        assert lost_messages(a) == [("sent", "lost", 1, 1)]
+        code, findings = _diagnose(a)
+        assert code == 1 and any("broker.error -4" in f["finding"] for f in findings if f["level"] == "error")
+    finally:
+        b.stop()
+
+
 def test_what_the_resend_window_no_longer_holds_ends_the_conversation_on_both_sides_and_is_never_silent(pair,
                                                                                                        tmp_path):
     a, b, cluster = pair

@@ -54,16 +54,29 @@ END $$;
 GRANT EXECUTE ON FUNCTION broker._create_target_endpoint(uuid,jsonb) TO broker_relay;
 
 -- The far node refused a conversation: it ends here with a broker.error
--- notice; nothing more is sent.
+-- notice; nothing more is sent.  A far node that began the conversation and
+-- sent messages on it, and now knows no such conversation (BR005, "unknown
+-- conversation ..."), went back to an earlier point, before it began: the
+-- notice is -4, and what this side sent it is recorded as lost
+-- (broker.lost_messages).
 CREATE OR REPLACE FUNCTION broker._refused_by_far_side(e broker.endpoints, reason text) RETURNS void
 LANGUAGE plpgsql AS $$
+DECLARE
+    forgot_it boolean := NOT e.is_initiator AND e.receive_sequence > 0 AND reason LIKE 'unknown conversation %';
 BEGIN
     DELETE FROM broker.transmission_queue
     WHERE to_service = e.far_service AND priority = e.priority AND conversation_handle = e.conversation_handle;
     IF e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
         UPDATE broker.endpoints SET state = 'error', timer_at = NULL WHERE conversation_handle = e.conversation_handle;
-        PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id,
-                                broker._error_body(-3, 'the far node refused the conversation: ' || reason));
+        PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id, CASE
+            WHEN forgot_it THEN broker._error_body(-4, format(
+                'the far node began this conversation and sent %s messages on it, and now knows no such '
+                'conversation: its database went back to before it began; messages 1 to %s of this side are lost',
+                e.receive_sequence, e.send_sequence))
+            ELSE broker._error_body(-3, 'the far node refused the conversation: ' || reason) END);
+        IF forgot_it THEN
+            PERFORM broker._record_lost_messages(e, 'sent', 1, e.send_sequence, 'lost');
+        END IF;
     END IF;
 END $$;
 GRANT EXECUTE ON FUNCTION broker._refused_by_far_side(broker.endpoints,text) TO broker_relay;
