@@ -46,6 +46,7 @@ DESTINATIONS = text(
     "       ARRAY(SELECT p.secret FROM broker.peer_secrets p WHERE p.broker_instance = r.broker_instance"
     "             ORDER BY p.role, p.added_at DESC) AS other_secrets"
     " FROM broker.routes r GROUP BY r.address, r.broker_instance ORDER BY r.address")
+DATABASE_CLOCK = text("SELECT extract(epoch FROM clock_timestamp())::float8")
 ROTATED_SECRETS = text("SELECT secret, role FROM broker.peer_secrets WHERE broker_instance = :instance"
                        " ORDER BY role, added_at DESC")
 METADATA_ADDRESSES_ALLOWED = text("SELECT broker._metadata_addresses_allowed()")
@@ -81,6 +82,11 @@ def routes(connection: Connection) -> list[Row]:
 def routes_with_secrets(connection: Connection) -> list[Row]:
     """Every route with its secret, grouped by peer (address, broker_instance, secret)."""
     return connection.execute(ROUTES_WITH_SECRETS).all()
+
+
+def database_clock(connection: Connection) -> float:
+    """The database server's clock, in seconds since the epoch."""
+    return connection.execute(DATABASE_CLOCK).scalar_one()
 
 
 def rotated_secrets(connection: Connection, instance: str) -> list[Row]:

@@ -87,8 +87,23 @@ def _ok(check: str, finding: str) -> Finding:
     return Finding("ok", check, finding)
 
 
+def _database_clock_findings(connection: Connection) -> list[Finding]:
+    """The database's clock against this process's: lifetimes, timers and delivery times follow the database's
+    and travel to peers as times of day, while requests are signed and judged by the processes' clocks."""
+    before = time.time()
+    database = queries.database_clock(connection)
+    after = time.time()
+    skew_s = max(database - after, before - database, 0.0)
+    if skew_s <= DATABASE_CLOCK_WARNING_S:
+        return []
+    return [Finding("error" if skew_s > DATABASE_CLOCK_ERROR_S else "warning", "database clock",
+                    f"the database's clock is {skew_s:.1f} s {'ahead of' if database > after else 'behind'} this "
+                    "node's: conversation lifetimes, timers and delivery times follow the database's clock, and a "
+                    "peer reads them by its own", "keep the database server's clock in sync (NTP), as the nodes'")]
+
+
 def _local_findings(connection: Connection, schema_head: str, max_wait_s: float) -> list[Finding]:
-    findings = []
+    findings = _database_clock_findings(connection)
     version = queries.schema_revision(connection)
     findings.append(_ok("schema", f"at revision {version}") if version == schema_head else Finding(
         "error", "schema", f"the database is at revision {version}, this version needs {schema_head}",
@@ -134,6 +149,12 @@ def _local_findings(connection: Connection, schema_head: str, max_wait_s: float)
                                     f"{backlog.overdue} messages have waited longer than {max_wait_s:g} s, the "
                                     f"oldest {backlog.longest_wait_s:.0f} s", advice))
     return findings
+
+
+# How far the database's clock may be from the node's: a warning past the first, an error past the second (a
+# conversation's lifetime of a minute would end at once, or late, on one side).
+DATABASE_CLOCK_WARNING_S = 2.0
+DATABASE_CLOCK_ERROR_S = 60.0
 
 
 def _clock_finding(check: str, their_instance: str, skew_s: float, max_skew_s: float) -> Finding:

@@ -224,3 +224,18 @@ def test_a_destination_that_keeps_refusing_is_an_error_with_advice_whatever_the_
     assert code == 1
     refusing = _errors(findings)[f"transmission to {peer.address}"]
     assert f"answered HTTP {status}" in refusing["finding"] and refusing["advice"] == advice
+
+
+@pytest.mark.parametrize("offset_s, level", [("+30", "warning"), ("-120", "error")])
+def test_a_database_clock_off_from_the_nodes_is_found(database_url, offset_s, level):
+    """The database's clock sets conversation lifetimes, timers and delivery times, which peers read by their own
+    clocks: diagnose, run with its clock off from the database's, finds it (a warning, an error past a minute)."""
+    result = subprocess.run([sys.executable, "-m", "broker.cli", "diagnose", "--json"], capture_output=True,
+                            text=True, timeout=120,
+                            env={**os.environ, "BROKER_DATABASE_URL": database_url, "LD_PRELOAD": FAKETIME,
+                                 "FAKETIME": offset_s, "FAKETIME_DONT_FAKE_MONOTONIC": "1"})
+    [clock] = [f for f in json.loads(result.stdout) if f["check"] == "database clock"]
+    assert clock["level"] == level and "keep the database server's clock in sync" in clock["advice"]
+    assert ("ahead of" if offset_s.startswith("-") else "behind") in clock["finding"]
+    assert result.returncode == (1 if level == "error" else 0)
+    assert "database clock" not in {f["check"] for f in _diagnose_url(database_url)[1]}  # in step: nothing said
