@@ -175,6 +175,20 @@ def test_a_peer_opens_conversations_only_from_services_routed_to_it(nodes, rogue
     assert b.scalar("SELECT count(*) FROM broker.queue_messages WHERE conversation_id = :c", c=its_own) == 1
 
 
+@pytest.mark.parametrize("message_type", ["order.note", "order.submit"])
+def test_a_conversation_whose_lifetime_ends_past_the_year_9999_is_refused_and_opens_nothing(nodes, rogue,
+                                                                                           message_type):
+    """No client's datetime reads such a time back (status and lists would fail on it): a peer that sends one, as a
+    release before this one could, has the conversation refused (BR050), in bulk (order.note) or one by one."""
+    _, b = nodes
+    conversation = uuid.uuid4()
+    [row] = _rows(conversation, [1], from_service="rogue", message_type=message_type)
+    ending = "9999-12-31T23:59:59-14:00"  # the year 10000 in UTC
+    result = _post_as_rogue(b, rogue, [row[:5] + (ending,) + row[6:]])[(str(conversation), True)]
+    assert result["refused"]["sqlstate"] == "BR050" and "before the year 10000" in result["refused"]["reason"]
+    assert b.scalar("SELECT count(*) FROM broker.endpoints WHERE conversation_id = :c", c=conversation) == 0
+
+
 # The relay's side: what a peer answers applies only to the batch it answers.
 
 

@@ -46,7 +46,8 @@ BEGIN
                                   contract_id, expires_at, priority)
     VALUES (gen_random_uuid(), (header ->> 'conversation_id')::uuid, false, group_id, target_service.service_id,
             target_service.queue_id, broker._check_name('service', header ->> 'from_service'), false,
-            from_instance, dialog_contract, (header ->> 'expires_at')::timestamptz,
+            from_instance, dialog_contract,
+            broker._settable_time('the end of its lifetime', (header ->> 'expires_at')::timestamptz),
             broker._priority(header ->> 'contract', target_service.name, header ->> 'from_service'))
     RETURNING * INTO e;
     RETURN e;
@@ -358,6 +359,7 @@ BEGIN
         JOIN broker.service_contracts sc ON sc.service_id = s.service_id AND sc.contract_id = ct.contract_id
         JOIN plain ON plain.contract_id = ct.contract_id
         WHERE n.message_types <@ plain.message_types AND n.largest_body <= limit_bytes
+          AND (h.expires_at < timestamptz '10000-01-01 00:00:00+00') IS NOT false  -- else refused one by one
     ), opened_groups AS (
         INSERT INTO broker.conversation_groups (conversation_group_id, queue_id)
         SELECT conversation_group_id, queue_id FROM opening
