@@ -21,34 +21,32 @@ GRANT EXECUTE ON FUNCTION broker._traceparent() TO broker_relay;
 -- broker.committed_position_horizon() was written by a transaction that has
 -- already finished, so a bulk reader that reads up to the horizon never later
 -- sees a newly committed position below what it has read (invariant 6).  A
--- transaction may enqueue at most 1,048,575 messages.
-CREATE OR REPLACE FUNCTION broker._next_queue_position() RETURNS bigint
-LANGUAGE plpgsql AS $$
-DECLARE
-    counter integer := coalesce(nullif(current_setting('broker.position_counter', true), ''), '0')::integer + 1;
-BEGIN
-    IF counter >= 1048576 THEN
-        PERFORM broker._raise('BR050', 'a transaction may enqueue at most 1048575 messages');
-    END IF;
-    PERFORM set_config('broker.position_counter', counter::text, true);
-    RETURN broker._queue_position_now() | counter;
-END $$;
-GRANT EXECUTE ON FUNCTION broker._next_queue_position() TO broker_relay;
-
--- n commit-ordered positions (see broker._next_queue_position): returns the
--- first; the others follow it one by one.
+-- transaction may enqueue at most 1,048,575 messages.  n positions: returns
+-- the first; the others follow it one by one.  The high bits are read once a
+-- transaction and kept beside the counter.
 CREATE OR REPLACE FUNCTION broker._next_queue_positions(n integer) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
     first integer := coalesce(nullif(current_setting('broker.position_counter', true), ''), '0')::integer + 1;
+    high_bits bigint := coalesce(CASE WHEN first > 1
+                                      THEN nullif(current_setting('broker.position_high_bits', true), '')::bigint END,
+                                 broker._queue_position_now());
 BEGIN
     IF first + n - 1 >= 1048576 THEN
         PERFORM broker._raise('BR050', 'a transaction may enqueue at most 1048575 messages');
     END IF;
-    PERFORM set_config('broker.position_counter', (first + n - 1)::text, true);
-    RETURN broker._queue_position_now() | first;
+    PERFORM set_config('broker.position_counter', (first + n - 1)::text, true),
+            set_config('broker.position_high_bits', high_bits::text, true);
+    RETURN high_bits | first;
 END $$;
 GRANT EXECUTE ON FUNCTION broker._next_queue_positions(integer) TO broker_relay;
+
+-- One commit-ordered position (see broker._next_queue_positions).
+CREATE OR REPLACE FUNCTION broker._next_queue_position() RETURNS bigint
+LANGUAGE sql AS $$
+    SELECT broker._next_queue_positions(1)
+$$;
+GRANT EXECUTE ON FUNCTION broker._next_queue_position() TO broker_relay;
 
 -- The high bits of this transaction's positions.
 CREATE OR REPLACE FUNCTION broker._queue_position_now() RETURNS bigint
