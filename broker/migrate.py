@@ -28,6 +28,33 @@ def run_sql_file(path: Path) -> None:
     schema.execute_script(op.get_bind(), path.read_text())
 
 
+def alter_while_serving(*statements: str, lock_timeout_ms: int = 1000, attempts: int = 120) -> None:
+    """Runs each statement of a revision that locks a table the node uses all the time (ALTER TABLE takes its ACCESS
+    EXCLUSIVE lock) in a transaction of its own, waiting at most lock_timeout_ms for the lock and trying again when
+    it did not get it.  So the revision never holds one such table while it waits for another, which a node's
+    transaction may hold while it waits for the first (a deadlock that fails the node's work), and holds the node's
+    work up for at most lock_timeout_ms at a time.  Each statement must do nothing when it has been done already
+    (ADD COLUMN IF NOT EXISTS): a revision stopped between them is run again from its start."""
+    from alembic import op
+    from psycopg2.errors import LockNotAvailable
+    from sqlalchemy.exc import OperationalError
+
+    with op.get_context().autocommit_block():
+        connection = op.get_bind()
+        connection.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_ms)}")
+        try:
+            for statement in statements:
+                for attempt in range(1, attempts + 1):
+                    try:
+                        connection.exec_driver_sql(statement)
+                        break
+                    except OperationalError as error:
+                        if not isinstance(error.orig, LockNotAvailable) or attempt == attempts:
+                            raise
+        finally:
+            connection.exec_driver_sql("RESET lock_timeout")
+
+
 def alembic_config(database_url: str) -> Config:
     """The configuration alembic.ini gives the `alembic` command in a checkout, built here so that an
     installed wheel, which has the migrations package but no alembic.ini, needs no file."""

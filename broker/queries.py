@@ -607,14 +607,14 @@ END_THE_TRACE = text("SELECT set_config('broker.traceparent', '', true)")
 
 # --- The relay (broker.relay) ---------------------------------------------------------------------
 
-# A lane's next batch for a destination, by the wire version it is sent in (broker.transport.wire): version 2
-# has no traceparent.
+# A lane's next batch for a destination, by the wire version it is sent in (broker.transport.wire): version 3
+# has no message ids.
 NEXT_BATCH = {
-    3: "COPY (SELECT * FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s,"
+    4: "COPY (SELECT * FROM broker.next_batch(%(address)s, %(max_messages)s, %(max_bytes)s,"
        " %(first)s, %(last)s)) TO STDOUT (FORMAT binary)",
-    2: "COPY (SELECT conversation_id, sender_is_initiator, from_service, to_service, contract, expires_at,"
-       " sequence_number, message_type, body"
-       " FROM broker.transport_batch(%(address)s, %(max_messages)s, %(max_bytes)s, %(first)s, %(last)s))"
+    3: "COPY (SELECT conversation_id, sender_is_initiator, from_service, to_service, contract, expires_at,"
+       " sequence_number, message_type, body, traceparent"
+       " FROM broker.next_batch(%(address)s, %(max_messages)s, %(max_bytes)s, %(first)s, %(last)s))"
        " TO STDOUT (FORMAT binary)"}
 # The far node's answer, held to the highest number the batch carried of each conversation side (in step).
 APPLY_ANSWER = text("SELECT broker.apply_transport_results(CAST(:answer AS jsonb), CAST(:conversations AS uuid[]),"
@@ -631,17 +631,14 @@ PROBE_CONVERSATION = text("SELECT broker.probe_conversation(CAST(:conversation A
 
 # --- A transport batch accepted (broker.transport.receiving) --------------------------------------
 
-# The batch's rows live for one transaction in a temporary table of the session.
-STAGE_BATCH = text(
-    "CREATE TEMPORARY TABLE IF NOT EXISTS incoming_transport_batch OF broker.transport_message"
-    " (conversation_id WITH OPTIONS NOT NULL, sender_is_initiator WITH OPTIONS NOT NULL,"
-    "  sequence_number WITH OPTIONS NOT NULL, message_type WITH OPTIONS NOT NULL) ON COMMIT DELETE ROWS")
-# A batch of each wire version: version 2 has no traceparent, which stays NULL.
+# The batch's rows live for one transaction in a temporary table of the session, incoming_batch.
+STAGE_BATCH = text("SELECT broker.stage_batch()")
+# A batch of each wire version: version 3 has no message ids, which stay NULL.
 COPY_BATCH = {
-    3: "COPY pg_temp.incoming_transport_batch FROM STDIN (FORMAT binary)",
-    2: "COPY pg_temp.incoming_transport_batch (conversation_id, sender_is_initiator, from_service, to_service,"
-       " contract, expires_at, sequence_number, message_type, body) FROM STDIN (FORMAT binary)"}
-ACCEPT_BATCH = text("SELECT broker.accept_transport_batch(:instance)::text")
+    4: "COPY pg_temp.incoming_batch FROM STDIN (FORMAT binary)",
+    3: "COPY pg_temp.incoming_batch (conversation_id, sender_is_initiator, from_service, to_service, contract,"
+       " expires_at, sequence_number, message_type, body, traceparent) FROM STDIN (FORMAT binary)"}
+ACCEPT_BATCH = text("SELECT broker.accept_batch(:instance)::text")
 
 
 # --- The node's timers (broker.timers) ------------------------------------------------------------
@@ -658,7 +655,7 @@ ACTIVATED_QUEUES = text(
 TAKE_ACTIVATION_SLOT = text("SELECT broker.take_activation_slot(:queue)")
 # One call of the procedure, in a session as the node opened it: whatever the previous call set for the session
 # (its role, its settings: SET without LOCAL) is reset first.
-ACTIVATE = text("RESET ROLE; RESET ALL; SELECT broker.activate(:queue, :slot)")
+ACTIVATE = text("RESET ROLE; RESET ALL; SELECT broker.call_activated_procedure(:queue, :slot)")
 # What a node's readers did since it last said, added to the queue's totals.
 RECORD_ACTIVATIONS = text("""
     UPDATE broker.queue_activation a

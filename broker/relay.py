@@ -25,7 +25,6 @@ import random
 import threading
 import time
 import uuid
-from contextlib import nullcontext
 from datetime import timedelta
 
 import httpx
@@ -307,10 +306,8 @@ class Lane:
                 return
             started = time.monotonic()
             RELAY_SENT.labels(address).inc(messages)
-            traced = tracing.handed_on(batch, "transmit", "client", {"server.address": address}) if version >= 3 \
-                else nullcontext(batch)  # version 2 carries no traceparents
             try:
-                with traced as batch:
+                with tracing.handed_on(batch, "transmit", "client", {"server.address": address}) as batch:
                     answer = self._post(destination, batch, version)
                     delivered = self._apply_answer(destination, batch, answer)
             except UnsupportedWireVersion as refusal:

@@ -148,8 +148,8 @@ def dead_lettered(letters: list) -> None:
 
 
 def traceparent_places(batch: bytes) -> dict[str, list[int]]:
-    """Where each traceparent lies in a batch (PostgreSQL's binary COPY format of broker.transport_message
-    rows, whose last field is the traceparent): the offsets of its text, by traceparent.  Nothing is found
+    """Where each traceparent lies in a batch (PostgreSQL's binary COPY format of broker.wire_message rows,
+    or of wire version 3's, whose last field is the traceparent): the offsets of its text, by traceparent.  Nothing is found
     past a row that is not such a row, nor in a batch cut short: the database refuses those."""
     places: dict[str, list[int]] = {}
     try:

@@ -10,12 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-# The last release before this one (revision 0033): the release this one must talk to, both ways, and whose
-# databases this release's migrations take over while it serves.
-PREVIOUS_RELEASE = "0d2453b"
-PREVIOUS_REVISION = "0033"
-# The last release that spoke wire version 2 only (revision 0026), the version before this release's own.
-LAST_RELEASE_OF_WIRE_VERSION_2 = "4410560"
+# The last release before this one (revision 0034, wire versions 2 and 3): the release this one must talk to, both
+# ways, and whose databases this release's migrations take over while it serves.
+PREVIOUS_RELEASE = "a68602b"
+PREVIOUS_REVISION = "0034"
 
 
 @dataclass(frozen=True)

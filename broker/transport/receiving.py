@@ -3,7 +3,7 @@ transaction, and the answer acknowledging only what is durable.
 
 The body is PostgreSQL's binary COPY format of broker.transport_message rows, in the wire version its
 Content-Type names (broker.transport.wire): it goes straight into a temporary table by COPY, and PostgreSQL's
-own input checks refuse anything malformed.  A version 2 batch has no traceparents: they stay NULL.
+own input checks refuse anything malformed.  A version 3 batch has no message ids: they stay NULL.
 """
 import hashlib
 import io
@@ -48,10 +48,10 @@ def accept_batch(engine: Engine, our_instance: str, peer_instance: str, headers:
     purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.media_type(version), our_instance)
     try:  # the traces' spans end after the commit (ExitStack), and only for a signed batch
         with engine.connect() as connection, ExitStack() as traces, \
-                with_temporary_table(connection, "incoming_transport_batch", queries.STAGE_BATCH).begin():
+                with_temporary_table(connection, "incoming_batch", queries.STAGE_BATCH).begin():
             secret = secret_of_signer(connection, peer_instance, purpose, headers, batch)
             _note_secret_use(connection, peer_instance, secret)
-            stored = batch if version < 3 else traces.enter_context(
+            stored = traces.enter_context(
                 tracing.handed_on(batch, "accept", "server", {"pg_broker.peer": peer_instance}))
             with connection.connection.cursor() as cursor:
                 cursor.copy_expert(queries.COPY_BATCH[version], io.BytesIO(stored))

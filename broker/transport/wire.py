@@ -1,20 +1,22 @@
 """The wire version: the format of a batch between nodes, named by its media type.
 
-Version 1 was JSON (sent as application/json); version 2 is PostgreSQL's binary COPY format of
-broker.transport_message rows without their last field; version 3 adds that field, each message's traceparent
-(broker.tracing).  A node takes and sends its own wire version and the one before it (WIRE_VERSIONS), so that
-a release talks to the previous one both ways: to each peer it sends the highest version both take, which the
-peer's /healthz names (broker.relay), and a version 2 batch goes without its traceparents.  A batch of any
-other version is refused from the request's headers (415, naming the versions this node takes), so two nodes
-never read each other's batches as something they are not.  A request is signed for its media type as well
-(broker.transport.signing), so a batch cannot be passed off as another format.  See docs/protocol.md.
+Version 1 was JSON (sent as application/json); version 2 was PostgreSQL's binary COPY format of message rows;
+version 3 added each message's traceparent (broker.tracing); version 4 is the binary COPY format of
+broker.wire_message rows, which add each message's id after its number, so that a receiver takes numbers past
+what it holds only where the sender agrees on the message it holds last.  A node takes and sends its own wire
+version and the one before it (WIRE_VERSIONS), so that a release talks to the previous one both ways: to each peer
+it sends the highest version both take, which the peer's /healthz names (broker.relay), and a version 3 batch goes
+without its message ids.  A batch of any other version is refused from the request's headers (415, naming the
+versions this node takes), so two nodes never read each other's batches as something they are not.  A request is
+signed for its media type as well (broker.transport.signing), so a batch cannot be passed off as another format.
+See docs/protocol.md.
 """
 import struct
 import uuid
 from collections.abc import Iterable
 
-WIRE_VERSION = 3
-WIRE_VERSIONS = (2, 3)
+WIRE_VERSION = 4
+WIRE_VERSIONS = (3, 4)
 BATCH_TYPE = "application/vnd.pg-broker.batch"
 # What a describe request and every answer are: JSON.
 JSON_MEDIA_TYPE = "application/json"
@@ -66,7 +68,7 @@ def sent_as(content_type: str | None) -> str:
 
 
 def in_words(versions: Iterable[int]) -> str:
-    """Versions as a refusal names them: "wire versions 2 and 3"."""
+    """Versions as a refusal names them: "wire versions 3 and 4"."""
     versions = sorted(versions)
     if len(versions) == 1:
         return f"wire version {versions[0]}"
@@ -82,7 +84,8 @@ def first_conversation(batch: bytes) -> tuple[uuid.UUID, bool]:
 
 # A batch row's fixed-size start: its field count, then conversation_id (uuid) and sender_is_initiator (boolean),
 # each after its length.  Four fields follow before sequence_number (from_service, to_service, contract and
-# expires_at), and after it the rest of the row (message_type, body and, from version 3, traceparent).
+# expires_at), and after it the rest of the row (from version 4 message_id, then message_type, body and
+# traceparent).
 ROW_START = 2 + (4 + 16) + (4 + 1)
 _COUNT = struct.Struct(">h").unpack_from
 _LENGTH = struct.Struct(">i").unpack_from

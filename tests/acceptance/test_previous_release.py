@@ -1,8 +1,8 @@
 """This release beside earlier ones, each installed from the git history into an environment of its own, on real
 nodes: conversations begun on either side cross both ways, each message once and in order; one node is upgraded
 while traffic flows both ways (its database migrated while the previous release serves it, then its process
-replaced), losing, repeating and reordering nothing; and a node of the release before this wire version talks to
-this one both ways."""
+replaced), losing, repeating and reordering nothing.  The previous release speaks wire version 3, the version
+before this release's own."""
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,8 +16,7 @@ from tests.conftest import _fresh_database
 from tests.migrations import catalog
 from tests.nodes import Node, serve_pair, stop_all
 from tests.traffic import QUEUES, both_ways
-from tests.releases import (LAST_RELEASE_OF_WIRE_VERSION_2, PREVIOUS_RELEASE, PREVIOUS_REVISION, checkout, install,
-                            run)
+from tests.releases import PREVIOUS_RELEASE, PREVIOUS_REVISION, checkout, install, run
 
 pytestmark = pytest.mark.slow
 REVISION = "SELECT version_num FROM public.broker_alembic_version"
@@ -95,6 +94,7 @@ def converse(sender, receiver, from_service, to_service, label):
 def test_a_node_of_the_previous_release_converses_with_this_one_both_ways(mixed_pair):
     a, b, previous = mixed_pair
     assert previous.scalar(REVISION) == PREVIOUS_REVISION
+    assert httpx.get(f"{previous.address}/healthz", timeout=5).json()["wire_version"] == 3
     assert {a, b} - {previous} == {node for node in (a, b) if node.scalar(REVISION) == this_release.head_revision()}
     converse(a, b, "shop", "warehouse", "from a")
     converse(b, a, "warehouse", "shop", "from b")
@@ -169,21 +169,3 @@ def test_a_release_that_changes_function_files_has_a_revision_of_its_own(tmp_pat
     ours = {file.name: file.read_bytes() for file in schema.function_files()}
     if ours != theirs:
         assert this_release.head_revision() != PREVIOUS_REVISION
-
-
-@pytest.fixture(scope="module")
-def wire_version_2_release(tmp_path_factory):
-    return install(LAST_RELEASE_OF_WIRE_VERSION_2, tmp_path_factory.mktemp("wire-version-2"))
-
-
-@pytest.mark.parametrize("older", ["a", "b"])
-def test_a_node_of_wire_version_2_converses_with_this_one_both_ways(older, wire_version_2_release, admin_url,
-                                                                  template_database, tmp_path):
-    pair = _pair_with(older, wire_version_2_release, admin_url, template_database, tmp_path)
-    a, b, previous = next(pair)
-    try:
-        assert httpx.get(f"{previous.address}/healthz", timeout=5).json()["wire_version"] == 2
-        converse(a, b, "shop", "warehouse", "from a")
-        converse(b, a, "warehouse", "shop", "from b")
-    finally:
-        next(pair, None)

@@ -325,49 +325,157 @@ def test_what_the_resend_window_no_longer_holds_ends_the_conversation_on_both_si
         b.stop()
 
 
-def test_both_nodes_taken_back_to_the_same_moment_go_on_from_there_with_nothing_to_heal(pair, tmp_path):
-    """a too, on a cluster of its own: both restored from base backups taken at the same quiet moment agree on every
-    conversation as it was then, and go on without any loss found."""
-    a, b, b_cluster = pair
-    a_cluster = Cluster.initdb(tmp_path / "a-cluster", "a").start()
-    admin_execute(a_cluster.url(), "CREATE DATABASE shop")
-    migrate.upgrade(a_cluster.url("shop"))
-    a.stop()
-    a = Node("a", a_cluster.url("shop"), tmp_path, port=a.port)
-    define_node(a, "shop_queue", "shop")
-    with a.engine.begin() as c:
-        broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
+@pytest.fixture
+def both_on_clusters(tmp_path):
+    """Node a (the shop) and node b (the warehouse), each on a cluster of its own, each routing to the other; both
+    serving.  Yields a function that takes one node back to a base backup of its cluster (stopped, restored, and
+    started again at its address), with the nodes and their clusters."""
+    clusters = {name: Cluster.initdb(tmp_path / f"{name}-cluster", name).start() for name in "ab"}
+    databases = {"a": "shop", "b": "warehouse"}
+    for name, cluster in clusters.items():
+        admin_execute(cluster.url(), f"CREATE DATABASE {databases[name]}")
+        migrate.upgrade(cluster.url(databases[name]))
+    nodes = {name: Node(name, clusters[name].url(databases[name]), tmp_path) for name in "ab"}
+    serve_pair(nodes["a"], nodes["b"])
+
+    def taken_back(name, backup):
+        nodes[name].stop()
+        nodes[name].engine.dispose()
+        server = clusters[name].restore(backup)
+        nodes[name] = Node(name, server.url(databases[name]), tmp_path, port=nodes[name].port)
+        nodes[name].start()
+        return nodes[name]
+
+    yield taken_back, nodes, clusters
+    stop_all(*nodes.values())
+    for cluster in clusters.values():
+        cluster.stop("immediate")
+
+
+def test_both_nodes_taken_back_to_the_same_moment_go_on_from_there_with_nothing_to_heal(both_on_clusters):
+    """Both restored from base backups taken at the same quiet moment agree on every conversation as it was then,
+    and go on without any loss found."""
+    taken_back, nodes, clusters = both_on_clusters
+    a, b = nodes["a"], nodes["b"]
+    handles = conversations_begun(a, CONVERSATIONS)
+    send(a, handles, 30, "before")
+    received(b, "warehouse_queue", 30)
+    drained(a, b)
+    backups = {name: cluster.base_backup("before") for name, cluster in clusters.items()}
+    send(a, handles, 30, "after")  # lost on both sides alike
+    received(b, "warehouse_queue", 30)
+    drained(a, b)
+    a, b = (taken_back(name, backups[name]) for name in "ab")
+    later = send(a, handles, 30, "later")
+    at_b = received(b, "warehouse_queue", 30)
+    for handle, conversation_id in conversation_ids(a, handles).items():
+        assert at_b[conversation_id] == [("order.note", body) for body in later[handle]]
+    drained(a, b)
+    for node in (a, b):
+        assert lost_messages(node) == []
+        code, findings = _diagnose(node)
+        assert code == 0, [f for f in findings if f["level"] != "ok"]
+
+
+def exchange(a, b, from_a, from_b, label):
+    """Two messages on each conversation each node began, both ways, received and acknowledged: what each node's
+    application got, by conversation id."""
+    sent_by_a, sent_by_b = send(a, from_a, 2 * len(from_a), label), send(b, from_b, 2 * len(from_b), label)
+    at_b, at_a = received(b, "warehouse_queue", 2 * len(from_a)), received(a, "shop_queue", 2 * len(from_b))
+    drained(a, b)
+    return sent_by_a, sent_by_b, at_a, at_b
+
+
+def renumbered(notice_body):
+    notice = json.loads(notice_body)
+    return notice["first_number"], notice["last_number"], notice["next_number"]
+
+
+def test_both_nodes_taken_back_to_different_moments_with_traffic_both_ways(both_on_clusters):
+    """a goes back to a moment before b does, and messages flowed both ways before, between and after those
+    moments.  Each message is delivered once and in order, or named: b holds a's messages of the second exchange,
+    which a no longer knows, so a's new ones are numbered past them behind a broker.renumbered notice; a lost b's
+    messages of the second exchange, which b sends again from its resend window before its new ones.  The third
+    exchange came after both moments: kept by neither database, nor was the work that sent it, and not reported."""
+    taken_back, nodes, clusters = both_on_clusters
+    a, b = nodes["a"], nodes["b"]
+    from_a = conversations_begun(a, 2)
     with b.engine.begin() as c:
-        c.exec_driver_sql("DELETE FROM broker.routes WHERE service_name = 'shop'")
-        broker.create_route(c, "shop", a.address, a.instance, SECRET)
-    a.start()
+        from_b = [broker.begin_dialog(c, "warehouse", "shop", "orders") for _ in range(2)]
+    exchange(a, b, from_a, from_b, "first")
+    a_backup = clusters["a"].base_backup("a")
+    _, second_by_b, _, _ = exchange(a, b, from_a, from_b, "second")
+    b_backup = clusters["b"].base_backup("b")
+    exchange(a, b, from_a, from_b, "third")
+    a, b = taken_back("a", a_backup), taken_back("b", b_backup)
+
+    fourth_by_a, fourth_by_b = send(a, from_a, 6, "fourth"), send(b, from_b, 6, "fourth")  # three on each
+    at_b = received(b, "warehouse_queue", 6 + len(from_a))
+    for handle, conversation_id in conversation_ids(a, from_a).items():
+        (kind, notice), *rest = at_b[conversation_id]
+        assert kind == "broker.renumbered" and renumbered(notice) == (3, 4, 6)
+        assert rest == [("order.note", body) for body in fourth_by_a[handle]]
+    at_a = received(a, "shop_queue", 4 + 6 + len(from_a))  # a's own notices of its renumbering come to it too
+    for handle, conversation_id in conversation_ids(b, from_b).items():
+        assert at_a[conversation_id] == [("order.note", body) for body in second_by_b[handle] + fourth_by_b[handle]]
+    drained(a, b)
+    assert lost_messages(a) == sorted([("sent", "renumbered", 3, 4)] * len(from_a)
+                                      + [("received", "resent", 3, 4)] * len(from_b))
+    assert lost_messages(b) == sorted([("received", "renumbered", 3, 4)] * len(from_a)
+                                      + [("sent", "resent", 3, 4)] * len(from_b))
+    for node in (a, b):
+        code, findings = _diagnose(node)
+        assert code == 0, [f for f in findings if f["level"] == "error"]
+
+
+def test_a_sender_taken_back_is_numbered_past_what_its_receiver_holds_before_anything_new_is_delivered(
+        both_on_clusters):
+    """b holds later numbers of some of a's conversations than a, taken back, remembers, and none of the others;
+    b's application holds two of them (one of each kind) while the first batches after the restore arrive.  a's new
+    messages on the first kind come after a broker.renumbered notice, once and in order; on the second kind they
+    simply follow.  Nothing new is delivered before the notice, or out of order, and a deletes nothing on an
+    answer given while b's application held the conversation."""
+    taken_back, nodes, clusters = both_on_clusters
+    a, b = nodes["a"], nodes["b"]
+    handles = conversations_begun(a, 4)
+    ids = conversation_ids(a, handles)
+    send(a, handles, 8, "before")
+    received(b, "warehouse_queue", 8)
+    drained(a)
+    backup = clusters["a"].base_backup("before")
+    send(a, handles[:2], 4, "lost by a")  # b holds numbers 3 and 4 of the first two conversations
+    received(b, "warehouse_queue", 4)
+    drained(a)
+    a = taken_back("a", backup)
+
+    b_handles = handles_by_conversation(b, ids.values())
+    held = [ids[handles[0]], ids[handles[2]]]
+    application = b.engine.connect()
+    transaction = application.begin()
+    for conversation_id in held:  # b's application replies on them, in a transaction it keeps open
+        broker.send(application, b_handles[conversation_id], "order.note", b"a reply")
     try:
-        handles = conversations_begun(a, CONVERSATIONS)
-        send(a, handles, 30, "before")
-        received(b, "warehouse_queue", 30)
-        drained(a, b)
-        backups = {cluster: cluster.base_backup("before") for cluster in (a_cluster, b_cluster)}
-        send(a, handles, 30, "after")  # lost on both sides alike
-        received(b, "warehouse_queue", 30)
-        drained(a, b)
-        stop_all(a, b)
-        a, b = (Node(node.name, cluster.restore(backups[cluster]).url(database), tmp_path, port=node.port)
-                for node, cluster, database in ((a, a_cluster, "shop"), (b, b_cluster, "warehouse")))
-        a.start()
-        b.start()
-        later = send(a, handles, 30, "later")
-        at_b = received(b, "warehouse_queue", 30)
-        for handle, conversation_id in conversation_ids(a, handles).items():
-            assert at_b[conversation_id] == [("order.note", body) for body in later[handle]]
-        drained(a, b)
-        for node in (a, b):
-            assert lost_messages(node) == []
-            code, findings = _diagnose(node)
-            assert code == 0, [f for f in findings if f["level"] != "ok"]
+        after = send(a, handles, 12, "after")
+        wait_for(lambda: len(lost_messages(a)) == 2, 30, "a to number past what b holds")
+        assert lost_messages(a) == [("sent", "renumbered", 3, 4)] * 2
+        wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status"
+                                  " WHERE transmission_status LIKE 'the far node holds it back%'") > 0, 30,
+                 "b to answer that its application holds a conversation")
     finally:
-        a.stop()
-        b.stop()
-        a_cluster.stop("immediate")
+        transaction.commit()
+        application.close()
+    at_b = received(b, "warehouse_queue", 12 + 2)
+    for n, handle in enumerate(handles):
+        arrived = at_b[ids[handle]]
+        if n < 2:
+            (kind, notice), *arrived = arrived
+            assert kind == "broker.renumbered" and renumbered(notice) == (3, 4, 6)
+        assert arrived == [("order.note", body) for body in after[handle]]
+    received(a, "shop_queue", 2 + 2)  # the replies, and a's own notices
+    drained(a, b)
+    code, findings = _diagnose(a)
+    assert code == 0, [f for f in findings if f["level"] == "error"]
+    assert sum(f["level"] == "warning" and "renumbered" in f["finding"] for f in findings) == 2
 
 
 def test_a_database_restored_by_pg_dump_into_a_cluster_behind_it_makes_its_new_positions_after_its_old_ones(

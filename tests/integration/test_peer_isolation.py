@@ -13,7 +13,7 @@ from broker.transport import signing, wire
 from tests.conftest import _fresh_database
 from tests.nodes import SECRET, Node, define_node, wait_for
 from tests.peers import ScriptedPeer, json_answer
-from tests.integration.test_transport import _encode
+from tests.integration.test_transport import _encode, message_id
 
 ROGUE_SECRET = "the-rogue-peers-own-secret"
 NOT_LISTENING = "http://127.0.0.1:9"
@@ -46,9 +46,9 @@ def rogue(nodes):
 
 def _rows(conversation_id, numbers, *, sender_is_initiator=True, from_service="shop", to_service="warehouse",
           message_type="order.note"):
-    """Messages of one conversation as rows of broker.transport_message."""
-    return [(str(conversation_id), sender_is_initiator, from_service, to_service, "orders", None, n, message_type,
-             json.dumps({"line": n}).encode()) for n in numbers]
+    """Messages of one conversation as rows of broker.wire_message."""
+    return [(str(conversation_id), sender_is_initiator, from_service, to_service, "orders", None, n,
+             message_id(conversation_id, n), message_type, json.dumps({"line": n}).encode()) for n in numbers]
 
 
 def _post_as_rogue(b, rogue, rows) -> dict:

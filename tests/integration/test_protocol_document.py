@@ -1,7 +1,8 @@
 """docs/protocol.md is what the code does: its worked example's batch is PostgreSQL's binary COPY of the row it
 states, its signed strings and signatures are broker.transport.signing's, and a real `broker serve` with the
-example's instance, catalog and secret accepts the batch and answers it, and a describe request, byte for byte as
-the document shows.  The document names every header, endpoint and problem type of the transport."""
+example's instance, catalog and secret accepts the batch and answers it, the same batch again, a batch that
+disagrees with what it holds, and a describe request, byte for byte as the document shows.  The document names
+every header, endpoint and problem type of the transport."""
 import io
 import re
 from pathlib import Path
@@ -60,12 +61,12 @@ def test_the_batch_is_the_binary_copy_of_the_row_it_states(rolled_back):
     fields = stated_fields()
     columns = rolled_back.execute(text(
         "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
-        " WHERE attrelid = 'broker.transport_message'::regclass AND attnum > 0 AND NOT attisdropped"
+        " WHERE attrelid = 'broker.wire_message'::regclass AND attnum > 0 AND NOT attisdropped"
         " ORDER BY attnum")).all()
     assert [tuple(column) for column in columns] == [(field, type_) for field, type_, _ in fields]
     as_text = ", ".join("convert_from(body, 'UTF8')" if field == "body" else f"{field}::text" for field, _, _ in fields)
     with rolled_back.connection.cursor() as cursor:
-        cursor.execute("CREATE TEMPORARY TABLE example_batch OF broker.transport_message")
+        cursor.execute("CREATE TEMPORARY TABLE example_batch OF broker.wire_message")
         cursor.copy_expert("COPY example_batch FROM STDIN (FORMAT binary)", io.BytesIO(BATCH))
         cursor.execute(f"SELECT {as_text} FROM example_batch")
         assert cursor.fetchall() == [tuple(value for _, _, value in fields)]
@@ -112,6 +113,12 @@ def test_a_node_takes_the_batch_and_answers_what_the_document_shows(database_url
         assert node.scalar("SELECT convert_from(body, 'UTF8') || ' ' || traceparent FROM broker.queue_messages") \
             == f"hello {stated_fields()[-1][2]}"
 
+        again = _post(node, BATCH).text
+        assert again.startswith('{"results": [' + example("answer-again").strip() + "]")
+        disagreeing = _batch_of(node, [(1, "a new message 1"), (2, "and 2")])
+        assert _post(node, disagreeing).text == again
+        assert node.scalar("SELECT count(*) FROM broker.queue_messages") == 1
+
         asked = example("describe-request").strip().encode()
         purpose = signing.request_purpose("POST", signing.DESCRIBE_PATH, wire.JSON_MEDIA_TYPE, DESTINATION)
         described = httpx.post(f"{node.address}{signing.DESCRIBE_PATH}", content=asked, timeout=30,
@@ -122,6 +129,29 @@ def test_a_node_takes_the_batch_and_answers_what_the_document_shows(database_url
     finally:
         node.stop()
         node.engine.dispose()
+
+
+def _post(node, batch: bytes) -> httpx.Response:
+    """The batch, posted to the node as shop signs it now."""
+    return httpx.post(f"{node.address}{signing.BATCHES_PATH}", content=batch, timeout=30,
+                      headers={"Content-Type": REQUEST["Content-Type"],
+                               **signing.signed_headers(SECRET, SENDER, PURPOSE, batch)})
+
+
+def _batch_of(node, messages: list[tuple[int, str]]) -> bytes:
+    """The example's row, once per (sequence_number, body), each with a message id of its own, as a batch."""
+    fields = {field: value for field, _, value in stated_fields()}
+    with node.engine.raw_connection().cursor() as cursor:
+        cursor.execute("CREATE TEMPORARY TABLE disagreeing OF broker.wire_message")
+        for number, body in messages:
+            cursor.execute("INSERT INTO disagreeing VALUES (%s, true, %s, %s, %s, NULL, %s, gen_random_uuid(), %s,"
+                           " convert_to(%s, 'UTF8'), %s)",
+                           (fields["conversation_id"], fields["from_service"], fields["to_service"],
+                            fields["contract"], number, fields["message_type"], body, fields["traceparent"]))
+        written = io.BytesIO()
+        cursor.copy_expert("COPY disagreeing TO STDOUT (FORMAT binary)", written)
+        cursor.connection.rollback()
+    return written.getvalue()
 
 
 def test_the_document_names_every_header_endpoint_and_problem_type_of_the_transport():

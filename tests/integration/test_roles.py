@@ -31,8 +31,9 @@ ENTRY_POINTS = {"begin_dialog", "send", "send_numbered", "send_numbered_batch", 
                 "get_conversation_group_state", "set_conversation_group_state", "dead_letter_conversation"}
 SEARCH_PATH = ["search_path=broker, pg_catalog, pg_temp"]
 STATUS_VIEWS = {"queue_status", "conversation_endpoints", "transmission_queue_status", "activation_status"}
-TRANSPORT_FUNCTIONS = {"transport_batch", "apply_transport_results", "record_transport_failure",
-                       "accept_transport_batch", "forget_closed_endpoints", "forget_acknowledged_messages",
+TRANSPORT_FUNCTIONS = {"next_batch", "transport_batch", "apply_transport_results", "record_transport_failure",
+                       "stage_batch", "accept_batch", "accept_transport_batch", "forget_closed_endpoints",
+                       "forget_acknowledged_messages",
                        "withhold_what_peers_forgot", "fire_due_events", "count_unreported_rollbacks",
                        "probe_conversation", "continue_queue_positions"}
 OUR_INSTANCE = "SELECT broker_instance FROM broker.node"
@@ -61,7 +62,9 @@ REFUSED_TO_APPLICATION = [
     ("INSERT INTO broker.broker_priorities VALUES ('mine', 10)", "table broker_priorities"),
     ("SELECT broker.purge_dead_letters('shop_queue')", "function purge_dead_letters"),
     ("SELECT broker.resubmit_dead_letters('shop_queue', gen_random_uuid())", "function resubmit_dead_letters"),
+    ("SELECT * FROM broker.next_batch('http://h', 10, 1000, NULL, NULL)", "function next_batch"),
     ("SELECT * FROM broker.transport_batch('http://h', 10, 1000, NULL, NULL)", "function transport_batch"),
+    ("SELECT broker.accept_batch(gen_random_uuid())", "function accept_batch"),
     ("SELECT broker.accept_transport_batch(gen_random_uuid())", "function accept_transport_batch"),
     ("SELECT broker.apply_transport_results('{}')", "function apply_transport_results"),
     ("SELECT broker.apply_transport_results('{}', '{}', '{}', '{}')", "function apply_transport_results"),
@@ -317,10 +320,11 @@ def test_an_application_login_uses_every_entry_point_and_status_view(login):
             shop_group = c.execute(text("SELECT conversation_group_id FROM broker.conversation_endpoints"
                                         " WHERE conversation_handle = :h"), {"h": first}).scalar_one()
             assert broker.report_processing_failure(c, "shop_queue", shop_group, "the handler failed") is False
-        with application.begin() as c:
-            for handle in (first, second):
+        with application.begin() as c:  # the one whose failure was reported last, backed off
+            for handle in (second, first):
                 at_shop = broker.receive(c, "shop_queue", 10)
                 assert [m.message_type for m in at_shop] == ["order.ack", "broker.end_dialog"]
+                assert at_shop[0].conversation_handle == handle
                 broker.end_conversation(c, handle)
 
         with application.connect() as c:
@@ -360,14 +364,12 @@ def _carry(sender_url: str, receiver_url: str, address: str, sender_instance: uu
         batch = io.BytesIO()
         with sender, sender.cursor() as cursor:
             cursor.copy_expert(cursor.mogrify(
-                "COPY (SELECT * FROM broker.transport_batch(%s, 1000, 8388608, %s, %s)) TO STDOUT (FORMAT binary)",
+                "COPY (SELECT * FROM broker.next_batch(%s, 1000, 8388608, %s, %s)) TO STDOUT (FORMAT binary)",
                 (address, *EVERY_HANDLE)).decode(), batch)
         with receiver, receiver.cursor() as cursor:
-            cursor.execute("CREATE TEMPORARY TABLE incoming_transport_batch OF broker.transport_message"
-                           " ON COMMIT DELETE ROWS")
-            cursor.copy_expert("COPY pg_temp.incoming_transport_batch FROM STDIN (FORMAT binary)",
-                               io.BytesIO(batch.getvalue()))
-            cursor.execute("SELECT broker.accept_transport_batch(%s)::text", (str(sender_instance),))
+            cursor.execute("SELECT broker.stage_batch()")
+            cursor.copy_expert("COPY pg_temp.incoming_batch FROM STDIN (FORMAT binary)", io.BytesIO(batch.getvalue()))
+            cursor.execute("SELECT broker.accept_batch(%s)::text", (str(sender_instance),))
             answer = cursor.fetchone()[0]
         sides = wire.last_numbers(batch.getvalue())
         with sender, sender.cursor() as cursor:

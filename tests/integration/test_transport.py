@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 import broker
 from broker.transport import signing, wire
-from tests.nodes import SECRET, two_nodes, wait_for
+from tests.nodes import CONTRACTS, MESSAGE_TYPES, SECRET, two_nodes, wait_for
 
 
 @pytest.fixture
@@ -144,13 +144,18 @@ def test_a_lifetime_that_ends_while_the_peer_is_down_gives_broker_error_on_both_
 # Hostile input posted straight to the transport endpoint.
 
 
+def message_id(conversation_id, number) -> str:
+    """The id a sender gives its message of that number: the same each time it is sent."""
+    return str(uuid.uuid5(uuid.UUID(str(conversation_id)), str(number)))
+
+
 def _batch(conversation_id, numbers, *, to_service="warehouse", message_type="order.note", body=None):
-    """One conversation's messages from shop, as rows of broker.transport_message."""
-    return [(str(conversation_id), True, "shop", to_service, "orders", None, n, message_type, body or str(n).encode())
-            for n in numbers]
+    """One conversation's messages from shop, as rows of broker.wire_message."""
+    return [(str(conversation_id), True, "shop", to_service, "orders", None, n, message_id(conversation_id, n),
+             message_type, body or str(n).encode()) for n in numbers]
 
 
-def _encode(node, rows, row_type="broker.transport_message", columns="") -> bytes:
+def _encode(node, rows, row_type="broker.wire_message", columns="") -> bytes:
     """Rows in the transport's wire format, written by PostgreSQL's COPY as a relay's database writes them: their
     columns given as "(a, b)", or all."""
     connection = node.engine.raw_connection()
@@ -197,6 +202,14 @@ def test_duplicated_reordered_and_gapped_batches_store_each_message_once_in_orde
     assert [tuple(r) for r in _stored(b)] == [(n, str(n)) for n in range(1, 6)]
     signing.matching_secret([SECRET], first.headers[signing.TIMESTAMP_HEADER], first.headers[signing.SIGNATURE_HEADER],
                             signing.answer_purpose(first.request.headers[signing.SIGNATURE_HEADER]), first.content)
+
+
+def test_of_a_number_repeated_in_a_batch_the_first_is_kept(nodes):
+    a, b = nodes
+    conversation = uuid.uuid4()
+    rows = [*_batch(conversation, [1], body=b"first"), *_batch(conversation, [2, 1], body=b"second")]
+    assert _post(b, a, _encode(b, rows)).json()["results"][0]["acknowledged"] == 2
+    assert [tuple(r) for r in _stored(b)] == [(1, "first"), (2, "second")]
 
 
 def test_one_bad_conversation_does_not_spoil_the_batch(nodes):
@@ -266,7 +279,8 @@ def test_a_peer_whose_route_is_dropped_is_refused_at_once(nodes):
     lambda b: _encode(b, _batch(uuid.uuid4(), [1, 2, 3]))[:-40],
     lambda b: _encode(b, [(str(uuid.uuid4()), str(uuid.uuid4()), True, 1, 1, str(uuid.uuid4()), 1)],
                       "broker._batch_conversation"),
-    lambda b: _encode(b, [(str(uuid.uuid4()), True, "shop", "warehouse", "orders", None, None, "order.note", b"1")]),
+    lambda b: _encode(b, [(str(uuid.uuid4()), True, "shop", "warehouse", "orders", None, None, None, "order.note",
+                           b"1")]),
 ], ids=["not COPY", "empty", "truncated", "other columns", "no sequence number"])
 def test_malformed_batches_get_a_problem_and_store_nothing(nodes, malformed):
     a, b = nodes
@@ -319,7 +333,8 @@ def test_a_forgotten_conversation_sent_again_is_acknowledged_not_reopened(nodes)
     assert b.scalar("SELECT count(*) FROM broker.forgotten_conversations") == 1
 
     replay = _batch(conversation, [1], body=b"once")
-    replay.append((str(conversation), True, "shop", "warehouse", "orders", None, 2, "broker.end_dialog", None))
+    replay.append((str(conversation), True, "shop", "warehouse", "orders", None, 2, message_id(conversation, 2),
+                   "broker.end_dialog", None))
     answer = _post(b, a, _encode(b, replay))
     assert answer.status_code == 200 and answer.json()["results"][0]["acknowledged"] == 2
     assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
@@ -421,6 +436,31 @@ def test_messages_that_waited_longer_than_the_peer_remembers_are_withheld_not_se
     assert error.message_type == "broker.error" and error.json()["code"] == -5
     assert "messages 2 to 3 were not sent" in error.json()["description"]
     assert b.scalar("SELECT state FROM broker.endpoints WHERE conversation_id = :id", id=error.conversation_id) == "error"
+
+
+def test_a_peer_never_heard_from_is_taken_to_forget_after_the_shortest_retention_a_node_keeps(engine):
+    """None of the peer's answers came back, so its tombstone_retention is not known: it may keep a day, the least a
+    node keeps, and what waited longer than that (less the margin) is withheld."""
+    with engine.begin() as c:
+        for name, validation in MESSAGE_TYPES:
+            broker.create_message_type(c, name, validation)
+        broker.create_contract(c, "orders", CONTRACTS["orders"])
+        broker.create_queue(c, "shop_queue")
+        broker.create_service(c, "shop", "shop_queue")
+        broker.create_route(c, "warehouse", "http://warehouse.invalid", uuid.uuid4(), SECRET)
+        handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
+        broker.send(c, handle, "order.note", "sent when the peer was new")
+    withhold = text("SELECT broker.withhold_what_peers_forgot()")
+    with engine.begin() as c:
+        c.execute(text("UPDATE broker.transmission_queue SET enqueued_at = now() - interval '22 hours 50 minutes'"))
+        assert c.execute(withhold).scalar_one() == 0
+        c.execute(text("UPDATE broker.transmission_queue SET enqueued_at = now() - interval '23 hours 10 minutes'"))
+        assert c.execute(withhold).scalar_one() == 1
+        [notice] = broker.receive(c, "shop_queue", 10)
+    assert notice.message_type == "broker.error" and notice.json()["code"] == -5
+    assert "tombstone_retention, 1 day" in notice.json()["description"]
+    with engine.connect() as c:
+        assert c.execute(text("SELECT count(*) FROM broker.dead_letters")).scalar_one() == 1
 
 
 def test_a_probe_of_an_old_acknowledged_message_is_asked_now_and_never_withheld(nodes):

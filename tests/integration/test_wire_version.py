@@ -18,12 +18,12 @@ from tests.integration.test_bounded_requests import MIB, _headers_only
 from tests.integration.test_diagnose import _diagnose
 from tests.integration.test_transport import _batch, _encode, _post, _stored
 
-OTHER_VERSION = 4
+OTHER_VERSION = 5
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def other_version_node(instance) -> ScriptedPeer:
-    """A node of wire version 4: /healthz names it, and every batch is refused as a node of that version
+    """A node of wire version 5: /healthz names it, and every batch is refused as a node of that version
     refuses one of ours."""
     def answer(request):
         if request.method == "GET":
@@ -31,7 +31,7 @@ def other_version_node(instance) -> ScriptedPeer:
         return json_answer(415, {
             "type": "/problems/unsupported-wire-version", "status": 415,
             "title": "The batch is in a wire version this node does not take",
-            "detail": f"the batch is sent as wire version 3; this node takes wire version {OTHER_VERSION}",
+            "detail": f"the batch is sent as wire version 4; this node takes wire version {OTHER_VERSION}",
             "wire_version": OTHER_VERSION}, media_type="application/problem+json")
 
     return ScriptedPeer(answer)
@@ -43,7 +43,8 @@ def other_version_node(instance) -> ScriptedPeer:
     (wire.BATCH_TYPE, "(no wire version)"),
     (f"{wire.BATCH_TYPE}; version={OTHER_VERSION}", f"(wire version {OTHER_VERSION})"),
     (f"{wire.BATCH_TYPE}; version=1", "(wire version 1)"),
-], ids=["none", "JSON", "unversioned", "version 4", "version 1"])
+    (f"{wire.BATCH_TYPE}; version=2", "(wire version 2)"),
+], ids=["none", "JSON", "unversioned", "version 5", "version 1", "version 2"])
 def test_a_batch_in_another_wire_version_is_refused_before_its_body_is_read(nodes, content_type, sent):
     a, b = nodes
     peer = {signing.INSTANCE_HEADER: str(a.instance), signing.TIMESTAMP_HEADER: str(int(time.time())),
@@ -54,15 +55,15 @@ def test_a_batch_in_another_wire_version_is_refused_before_its_body_is_read(node
     assert status == 415 and "connection: close" in answer and "content-type: application/problem+json" in answer
     problem = json.loads(answer[answer.rindex("\n{") + 1:])
     assert problem["type"] == "/problems/unsupported-wire-version" and problem["wire_version"] == wire.WIRE_VERSION
-    assert problem["wire_versions"] == [2, 3]
-    assert sent in problem["detail"] and "this node takes wire versions 2 and 3" in problem["detail"]
+    assert problem["wire_versions"] == [3, 4]
+    assert sent in problem["detail"] and "this node takes wire versions 3 and 4" in problem["detail"]
     assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
 
 
 def test_the_media_type_is_matched_as_media_types_are_and_is_signed(nodes):
     a, b = nodes
     health = httpx.get(f"{b.address}/healthz", timeout=5).json()
-    assert health["wire_version"] == wire.WIRE_VERSION and health["wire_versions"] == [2, 3]
+    assert health["wire_version"] == wire.WIRE_VERSION and health["wire_versions"] == [3, 4]
     conversation = uuid.uuid4()
     spelled = f'Application/Vnd.PG-Broker.Batch ; Version="{wire.WIRE_VERSION}"'
     first = _post(b, a, _encode(b, _batch(conversation, [1])), headers={"Content-Type": spelled})
@@ -97,13 +98,13 @@ def test_a_relay_facing_another_wire_version_keeps_its_messages_and_diagnose_say
         assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 3
         status = a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status")
         assert f"{far.address} speaks another wire version (HTTP 415)" in status
-        assert f"it takes wire version {OTHER_VERSION}, this node sends wire versions 2 and 3" in status
+        assert f"it takes wire version {OTHER_VERSION}, this node sends wire versions 3 and 4" in status
 
         code, findings = _diagnose(a)
         assert code == 1
         errors = {f["check"]: f for f in findings if f["level"] == "error"}
         node = errors[f"node {far.address}"]
-        assert f"speaks wire version {OTHER_VERSION}, this node wire versions 2 and 3" in node["finding"]
+        assert f"speaks wire version {OTHER_VERSION}, this node wire versions 3 and 4" in node["finding"]
         assert "upgrade one of the two nodes" in node["advice"]
         transmission = errors[f"transmission to {far.address}"]
         assert "another wire version" in transmission["finding"]
@@ -117,34 +118,37 @@ def test_a_relay_facing_another_wire_version_keeps_its_messages_and_diagnose_say
     assert [m.body for m in b.receive_all("warehouse_queue", 3, timeout_s=60)] == [b"1", b"2", b"3"]
 
 
-def test_a_batch_of_the_previous_wire_version_is_taken_without_traceparents(nodes):
+VERSION_3_ROWS = ("(conversation_id, sender_is_initiator, from_service, to_service, contract, expires_at,"
+                  " sequence_number, message_type, body, traceparent)")
+
+
+def test_a_batch_of_the_previous_wire_version_is_taken_without_message_ids(nodes):
     a, b = nodes
     conversation = uuid.uuid4()
-    version_2 = f"{wire.BATCH_TYPE}; version=2"
+    version_3 = f"{wire.BATCH_TYPE}; version=3"
     body = _encode(b, _batch(conversation, [1, 2]))
-    assert _post(b, a, body, headers={"Content-Type": version_2}).status_code == 401  # signed as version 3
-    rows = "(conversation_id, sender_is_initiator, from_service, to_service, contract, expires_at, sequence_number," \
-           " message_type, body)"
-    body = _encode(b, _batch(conversation, [1, 2]), columns=rows)
-    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, version_2, str(b.instance))
+    assert _post(b, a, body, headers={"Content-Type": version_3}).status_code == 401  # signed as version 4
+    body = _encode(b, [(*row, TRACEPARENT) for row in _batch(conversation, [1, 2])], columns=VERSION_3_ROWS)
+    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, version_3, str(b.instance))
     answer = httpx.post(f"{b.address}{signing.BATCHES_PATH}", content=body, timeout=30, headers={
-        "Content-Type": version_2, **signing.signed_headers(SECRET, str(a.instance), purpose, body)})
+        "Content-Type": version_3, **signing.signed_headers(SECRET, str(a.instance), purpose, body)})
     assert answer.status_code == 200, answer.text
     assert [tuple(row) for row in _stored(b)] == [(1, "1"), (2, "2")]
-    assert b.scalar("SELECT count(traceparent) FROM broker.queue_messages") == 0
+    assert b.scalar("SELECT count(traceparent) FROM broker.queue_messages") == 2
+    assert b.scalar("SELECT count(received_message_id) FROM broker.endpoints") == 0
 
 
 def older_node_in_front_of(node) -> ScriptedPeer:
-    """A node that takes wire version 2 only, though its /healthz names version 3 (it was downgraded since, say):
-    a batch of version 3 is refused with a 415 naming version 2, and one of version 2 goes to the real node."""
+    """A node that takes wire version 3 only, though its /healthz names version 4 (it was downgraded since, say):
+    a batch of version 4 is refused with a 415 naming version 3, and one of version 3 goes to the real node."""
     def answer(request):
         if request.method == "GET":
-            return json_answer(200, {"status": "ok", "broker_instance": str(node.instance), "wire_version": 3})
-        if wire.taken_version(request.headers["Content-Type"]) != 2:
+            return json_answer(200, {"status": "ok", "broker_instance": str(node.instance), "wire_version": 4})
+        if wire.taken_version(request.headers["Content-Type"]) != 3:
             return json_answer(415, {"type": "/problems/unsupported-wire-version", "status": 415,
                                      "title": "The batch is in a wire version this node does not take",
-                                     "detail": "this node takes wire version 2", "wire_version": 2,
-                                     "wire_versions": [2]}, media_type="application/problem+json")
+                                     "detail": "this node takes wire version 3", "wire_version": 3,
+                                     "wire_versions": [3]}, media_type="application/problem+json")
         forwarded = httpx.post(f"{node.address}{request.path}", content=request.body, timeout=30,
                                headers={name: request.headers[name] for name in (
                                    "Content-Type", signing.INSTANCE_HEADER, signing.TIMESTAMP_HEADER,
@@ -166,9 +170,11 @@ def test_a_relay_refused_for_its_wire_version_sends_the_version_the_refusal_name
             for line in (1, 2, 3):
                 broker.send(c, handle, "order.note", str(line), traceparent=TRACEPARENT)
         received = b.receive_all("warehouse_queue", 3, timeout_s=30)
-        assert [(m.body, m.traceparent) for m in received] == [(b"1", None), (b"2", None), (b"3", None)]
+        assert [(m.body, m.traceparent) for m in received] == [(b"1", TRACEPARENT), (b"2", TRACEPARENT),
+                                                                (b"3", TRACEPARENT)]
+        assert b.scalar("SELECT count(received_message_id) FROM broker.endpoints") == 0  # version 3 has no ids
         versions = [wire.version_of(r.headers["Content-Type"]) for r in older.requests if r.method == "POST"]
-        assert versions[:2] == ["3", "2"] and set(versions[1:]) == {"2"}  # refused once, then version 2 at once
+        assert versions[:2] == ["4", "3"] and set(versions[1:]) == {"3"}  # refused once, then version 3 at once
         wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the acknowledgements")
 
 
@@ -177,10 +183,9 @@ def test_the_highest_number_of_each_conversation_side_is_read_from_a_batch_of_ei
     rows' fields stepped over by their lengths, a NULL's included, whatever the version."""
     first, second = uuid.uuid4(), uuid.uuid4()
     rows = [(*row, None) for row in (*_batch(first, [1, 2, 3]), *_batch(second, [7], body=b"x" * 70_000))]
-    rows.append((str(first), False, "warehouse", "shop", "orders", datetime.now(UTC), 5, "order.reply", b"",
+    rows.append((str(first), False, "warehouse", "shop", "orders", datetime.now(UTC), 5, None, "order.reply", b"",
                  TRACEPARENT))
     expected = {(first.hex, True): 3, (second.hex, True): 7, (first.hex, False): 5}
     database = SimpleNamespace(engine=engine)
-    for columns in ("", "(conversation_id, sender_is_initiator, from_service, to_service, contract, expires_at,"
-                        " sequence_number, message_type, body)"):
+    for columns in ("", VERSION_3_ROWS):
         assert wire.last_numbers(_encode(database, rows, columns=columns)) == expected

@@ -16,7 +16,7 @@ INSTANCE = "6f1c2a9e-5d2b-4c1e-9a0f-3b8e7d6c5a41"
 
 def test_a_signature_is_hmac_sha256_over_timestamp_purpose_and_body_in_lower_case_hex():
     purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.BATCH_MEDIA_TYPE, INSTANCE)
-    assert purpose == f"POST /transport/v1/batches as application/vnd.pg-broker.batch; version=3 at {INSTANCE}"
+    assert purpose == f"POST /transport/v1/batches as application/vnd.pg-broker.batch; version=4 at {INSTANCE}"
     expected = hmac.new(SECRET.encode(), f"1700000000\n{purpose}\n".encode() + b"body", hashlib.sha256).hexdigest()
     assert signing.signature(SECRET, "1700000000", purpose, b"body") == expected == expected.lower()
 
@@ -56,8 +56,9 @@ def test_a_request_stamped_too_far_from_this_clock_is_refused_to_a_tenth_of_a_se
 
 
 @pytest.mark.parametrize("content_type, version, taken", [
-    ("application/vnd.pg-broker.batch; version=3", "3", 3), ("Application/VND.pg-broker.batch;VERSION=\"2\"", "2", 2),
-    ("application/vnd.pg-broker.batch; version=4", "4", None), ("application/vnd.pg-broker.batch; version=03", "03", None),
+    ("application/vnd.pg-broker.batch; version=4", "4", 4), ("Application/VND.pg-broker.batch;VERSION=\"3\"", "3", 3),
+    ("application/vnd.pg-broker.batch; version=2", "2", None), ("application/vnd.pg-broker.batch; version=5", "5", None),
+    ("application/vnd.pg-broker.batch; version=04", "04", None),
     ("application/json", "1", None), ("application/json; charset=utf-8", "1", None),
     ("application/vnd.pg-broker.batch", None, None), ("text/plain; version=3", None, None), (None, None, None),
     ("", None, None)])
@@ -66,8 +67,8 @@ def test_a_batch_names_its_wire_version_in_its_content_type(content_type, versio
     assert wire.taken_version(content_type) == taken
 
 
-@pytest.mark.parametrize("theirs, sent", [((2, 3), 3), ((3,), 3), ((2,), 2), ((3, 4), 3), ((2, 3, 4), 3),
-                                          ((1,), None), ((4,), None), ((), None)])
+@pytest.mark.parametrize("theirs, sent", [((3, 4), 4), ((4,), 4), ((3,), 3), ((2, 3), 3), ((3, 4, 5), 4),
+                                          ((2,), None), ((5,), None), ((), None)])
 def test_a_peer_is_sent_the_highest_wire_version_both_take(theirs, sent):
     assert wire.version_for(theirs) == sent
 

@@ -18,12 +18,12 @@ def _field(value: bytes | None) -> bytes:
 
 
 def _row(traceparent: str | bytes | None, body: bytes = b"a body") -> bytes:
-    """A row of broker.transport_message as PostgreSQL's binary COPY writes it: ten fields, the last the
+    """A row of broker.wire_message as PostgreSQL's binary COPY writes it: eleven fields, the last the
     traceparent."""
     if isinstance(traceparent, str):
         traceparent = traceparent.encode()
     fields = [uuid.uuid4().bytes, b"\x01", b"shop", b"warehouse", b"orders", None, struct.pack(">q", 1),
-              b"order.note", body, traceparent]
+              uuid.uuid4().bytes, b"order.note", body, traceparent]
     return struct.pack(">h", len(fields)) + b"".join(map(_field, fields))
 
 

@@ -112,9 +112,10 @@ BEGIN
     WITH numbered AS (
         SELECT m, n, row_number() OVER (ORDER BY n) AS k
         FROM (SELECT DISTINCT ON (n) m, n
-              FROM jsonb_array_elements(messages) m, CAST(m ->> 'sequence_number' AS bigint) n
+              FROM jsonb_array_elements(messages) WITH ORDINALITY AS given(m, place),
+                   CAST(m ->> 'sequence_number' AS bigint) n
               WHERE n > e.receive_sequence
-              ORDER BY n) once_each
+              ORDER BY n, place) once_each  -- of a number repeated, the first in the batch
     ), run AS (
         SELECT * FROM numbered WHERE n = e.receive_sequence + k
     )
@@ -189,14 +190,31 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION broker._refuse_past_the_end(bigint, bigint, boolean) TO broker_relay;
 
+-- Whether a batch's messages of a conversation side (JSON, as
+-- broker._accept_conversation takes them) may be taken past what the side
+-- holds: the batch begins right after it, or carries the number it holds last
+-- with the id of the message it holds under that number.  Otherwise the
+-- sender and this node may not agree on what this side holds (the sender's
+-- database went back, and it numbered new messages as ones held here), or
+-- this node cannot tell: nothing past it is taken, and the answer says what
+-- it holds, so that the sender, which can tell, numbers its messages past it
+-- before any of them is delivered.
+CREATE OR REPLACE FUNCTION broker._anchored(e broker.endpoints, messages jsonb) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT min(n) = e.receive_sequence + 1 OR coalesce(bool_or(n = e.receive_sequence AND id = e.received_message_id), false)
+    FROM jsonb_array_elements(messages) m,
+         LATERAL (SELECT (m ->> 'sequence_number')::bigint AS n, (m ->> 'message_id')::uuid AS id) row_of;
+$$;
+GRANT EXECUTE ON FUNCTION broker._anchored(broker.endpoints,jsonb) TO broker_relay;
+
 -- One conversation of a batch, in a subtransaction of its own so that a bad
 -- conversation never spoils the rest.  The result acknowledges the highest
--- number held without a gap, says which number was held before the batch, and
--- why anything was refused or waits.  A conversation forgotten here is
--- acknowledged, not opened again.  A refusal ends this side only when it is
--- the sender's conversation: broker.accept_transport_batch sets the others
--- aside first, and one that appears meanwhile is not the sender's to end
--- either.
+-- number held without a gap, says which number was held before the batch and
+-- the id of the message held under it, and why anything was refused or waits.
+-- A conversation forgotten here is acknowledged, not opened again.  A refusal
+-- ends this side only when it is the sender's conversation:
+-- broker.accept_batch sets the others aside first, and one that appears
+-- meanwhile is not the sender's to end either.
 --
 -- Messages that begin past a gap are not taken: the numbers before them are
 -- missing here (this database went back to an earlier point), so they are
@@ -204,7 +222,8 @@ GRANT EXECUTE ON FUNCTION broker._refuse_past_the_end(bigint, bigint, boolean) T
 -- them again.  So a conversation unknown here is opened only from its first
 -- number, or by a broker.error that ends it across the numbers its sender
 -- dropped.  A conversation that an application transaction holds is not waited
--- for: the answer says it waits.
+-- for: the answer says it waits.  Nothing is taken past what this side holds
+-- unless the batch is anchored to it (broker._anchored).
 CREATE OR REPLACE FUNCTION broker._accept_conversation(from_instance uuid, header jsonb) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -219,6 +238,7 @@ DECLARE
     held bigint;
     acknowledged bigint;
     result jsonb;
+    held_here jsonb;
     failed_sqlstate text;
     failure text;
 BEGIN
@@ -253,28 +273,37 @@ BEGIN
             PERFORM broker._raise('BR005', format('unknown conversation %s', conversation));
         END IF;
         held := e.receive_sequence;
+        held_here := result || jsonb_strip_nulls(jsonb_build_object('held', held,
+                                                                    'held_message_id', e.received_message_id));
         IF e.state = 'closed' THEN
             PERFORM broker._refuse_past_the_end(held, last_sent, ends_it);
         END IF;
+        IF first_sent <= held AND NOT broker._anchored(e, header -> 'messages') THEN
+            RETURN held_here || jsonb_build_object('acknowledged', held);
+        END IF;
         IF first_sent > held + 1 AND NOT ends_it THEN
             PERFORM broker._record_lost_messages(e, 'received', held + 1, first_sent - 1, 'missing');
-            RETURN result || jsonb_build_object('acknowledged', held, 'held', held, 'waiting', format(
+            RETURN held_here || jsonb_build_object('acknowledged', held, 'waiting', format(
                 'messages %s to %s of the conversation are missing here (its database went back to an earlier '
                 'point?): send them again', held + 1, first_sent - 1));
         END IF;
         acknowledged := broker._accept_messages(e, header -> 'messages');
+        IF acknowledged > held THEN
+            UPDATE broker.endpoints
+            SET received_message_id = (SELECT (m ->> 'message_id')::uuid FROM jsonb_array_elements(header -> 'messages') m
+                                       WHERE (m ->> 'sequence_number')::bigint = acknowledged LIMIT 1)
+            WHERE endpoints.conversation_id = conversation AND is_initiator = NOT sender_is_initiator;
+        END IF;
         UPDATE broker.lost_messages l
         SET outcome = CASE WHEN ends_it THEN 'lost' ELSE 'resent' END
         WHERE l.conversation_id = conversation AND l.is_initiator = NOT sender_is_initiator
           AND l.direction = 'received' AND l.outcome = 'missing' AND l.last_number <= acknowledged;
-        RETURN result || jsonb_build_object('acknowledged', acknowledged, 'held', held);
+        RETURN held_here || jsonb_build_object('acknowledged', acknowledged);
     EXCEPTION WHEN SQLSTATE 'BR030' THEN
-        RETURN result || jsonb_build_object('acknowledged', coalesce(e.receive_sequence, 0), 'waiting', SQLERRM);
+        RETURN result || broker._held_here(conversation, sender_is_initiator) || jsonb_build_object('waiting', SQLERRM);
     WHEN lock_not_available THEN
-        RETURN result || jsonb_build_object(
-            'acknowledged', (SELECT receive_sequence FROM broker.endpoints
-                             WHERE conversation_id = conversation AND is_initiator = NOT sender_is_initiator),
-            'waiting', 'an application transaction holds the conversation here');
+        RETURN result || broker._held_here(conversation, sender_is_initiator)
+               || jsonb_build_object('waiting', 'an application transaction holds the conversation here');
     WHEN OTHERS THEN
         failed_sqlstate := SQLSTATE;
         failure := SQLERRM;
@@ -290,10 +319,25 @@ BEGIN
         e := broker._lock_endpoint(e.conversation_handle);
         PERFORM broker._fail_conversation(e, -3, 'the conversation was refused: ' || failure);
     END IF;
-    RETURN result || jsonb_build_object('acknowledged', coalesce(e.receive_sequence, tombstone.receive_sequence, 0),
-                                        'refused', jsonb_build_object('sqlstate', failed_sqlstate, 'reason', failure));
+    held := coalesce(e.receive_sequence, tombstone.receive_sequence, 0);
+    RETURN result || jsonb_strip_nulls(jsonb_build_object(
+        'acknowledged', held, 'held', held, 'held_message_id', e.received_message_id,
+        'refused', jsonb_build_object('sqlstate', failed_sqlstate, 'reason', failure)));
 END $$;
 GRANT EXECUTE ON FUNCTION broker._accept_conversation(uuid,jsonb) TO broker_relay;
+
+-- What this node holds of the sender's side of a conversation, read without
+-- taking its lock (an application transaction may hold it, or its queue is
+-- disabled): the answer's acknowledged and held, and held_message_id.
+CREATE OR REPLACE FUNCTION broker._held_here(conversation uuid, sender_is_initiator boolean) RETURNS jsonb
+LANGUAGE sql STABLE AS $$
+    SELECT jsonb_strip_nulls(jsonb_build_object('acknowledged', coalesce(e.receive_sequence, 0),
+                                                'held', coalesce(e.receive_sequence, 0),
+                                                'held_message_id', e.received_message_id))
+    FROM (SELECT NULL) nothing
+    LEFT JOIN broker.endpoints e ON e.conversation_id = conversation AND e.is_initiator = NOT sender_is_initiator;
+$$;
+GRANT EXECUTE ON FUNCTION broker._held_here(uuid,boolean) TO broker_relay;
 
 -- Locks the endpoints of the batch's conversations that can take it in bulk,
 -- in the order of their conversation ids: one probe of the unique index each,
@@ -306,8 +350,9 @@ LANGUAGE plpgsql AS $$
 BEGIN
     RETURN (
     SELECT array_agg(ROW(e.conversation_handle, e.conversation_id, e.is_initiator, e.receive_sequence, e.queue_id,
-                         e.conversation_group_id, e.contract_id, e.priority)::broker._batch_conversation)
-    FROM (SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_transport_batch b
+                         e.conversation_group_id, e.contract_id, e.priority,
+                         e.received_message_id)::broker._batch_conversation)
+    FROM (SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_batch b
           ORDER BY b.conversation_id, b.sender_is_initiator) c,
          LATERAL (SELECT e.* FROM broker.endpoints e
                   WHERE e.conversation_id = c.conversation_id AND e.is_initiator = NOT c.sender_is_initiator
@@ -329,7 +374,7 @@ BEGIN
     WITH new_conversations AS (
         SELECT b.conversation_id, array_agg(DISTINCT b.message_type) AS message_types,
                max(coalesce(octet_length(b.body), 0)) AS largest_body
-        FROM pg_temp.incoming_transport_batch b
+        FROM pg_temp.incoming_batch b
         WHERE b.sender_is_initiator
         GROUP BY b.conversation_id
         HAVING min(b.sequence_number) = 1
@@ -339,10 +384,10 @@ BEGIN
                            WHERE f.conversation_id = b.conversation_id AND NOT f.is_initiator)
     ), headers AS (  -- each new conversation's header, from its lowest-numbered message
         SELECT DISTINCT ON (b.conversation_id) b.*
-        FROM pg_temp.incoming_transport_batch b
+        FROM pg_temp.incoming_batch b
         JOIN new_conversations n ON n.conversation_id = b.conversation_id
         WHERE b.sender_is_initiator
-        ORDER BY b.conversation_id, b.sequence_number
+        ORDER BY b.conversation_id, b.sequence_number, b.ctid
     ), plain AS (
         SELECT p.contract_id, array_agg(p.name) AS message_types
         FROM broker._plain_message_types p WHERE p.sent_by_initiator GROUP BY p.contract_id
@@ -376,12 +421,14 @@ GRANT EXECUTE ON FUNCTION broker._open_batch_conversations(uuid,integer) TO brok
 -- The steady state of a batch in a few statements: the batch's conversations
 -- that are new here, or whose endpoint talks with the sending node, reads, and
 -- has its queue enabled, when every message that comes next is plain.  The
--- batch is in pg_temp.incoming_transport_batch.  Returns their results; the
+-- batch is in pg_temp.incoming_batch.  Returns their results; the
 -- caller takes the others (refused, carrying system messages, ...) one by one.
 -- Conversations with a broker.error among their new messages are left to the
 -- careful way, which accepts an error across the numbers its sender dropped
--- (see broker._accept_messages), and so are those whose new messages begin
--- past a gap, which it records.  Numbers recorded missing that arrive are
+-- (see broker._accept_messages), and so are those whose messages do not begin
+-- right after what this side holds: past a gap, which it records, or at a
+-- number it holds already, which it takes only when the batch is anchored to
+-- what it holds (broker._anchored).  Numbers recorded missing that arrive are
 -- recorded resent (broker.lost_messages).
 CREATE OR REPLACE FUNCTION broker._accept_in_bulk(from_instance uuid) RETURNS jsonb
 LANGUAGE plpgsql AS $$
@@ -393,7 +440,7 @@ DECLARE
     careful uuid[];
 BEGIN
     taken := broker._lock_batch_conversations(from_instance);
-    IF EXISTS (SELECT b.conversation_id FROM pg_temp.incoming_transport_batch b WHERE b.sender_is_initiator
+    IF EXISTS (SELECT b.conversation_id FROM pg_temp.incoming_batch b WHERE b.sender_is_initiator
                EXCEPT SELECT t.conversation_id FROM unnest(taken) t) THEN
         PERFORM broker._open_batch_conversations(from_instance, limit_bytes);
         taken := broker._lock_batch_conversations(from_instance);
@@ -401,29 +448,28 @@ BEGIN
     IF taken IS NULL THEN
         RETURN '[]';
     END IF;
-    -- Conversations with a broker.error among their new messages go the careful
+    -- Conversations with a broker.error among their messages go the careful
     -- way, even when the error lies beyond a gap: it may skip the numbers its
-    -- sender dropped (see broker._transmit_error).  So do those whose new
-    -- messages begin past a gap.
+    -- sender dropped (see broker._transmit_error).  So do those whose messages
+    -- do not begin right after what this side holds.
     SELECT coalesce(array_agg(c.conversation_handle), '{}') INTO careful
     FROM (SELECT t.conversation_handle
           FROM unnest(taken) t
-          JOIN pg_temp.incoming_transport_batch b
+          JOIN pg_temp.incoming_batch b
             ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
-          WHERE b.sequence_number > t.receive_sequence
           GROUP BY t.conversation_handle, t.receive_sequence
-          HAVING bool_or(b.message_type = 'broker.error') OR min(b.sequence_number) > t.receive_sequence + 1) c;
+          HAVING bool_or(b.message_type = 'broker.error') OR min(b.sequence_number) <> t.receive_sequence + 1) c;
 
     -- Each conversation's run of numbers after receive_sequence without a gap;
     -- a conversation is taken here only when all of its run is plain.
     WITH fresh AS (
         SELECT DISTINCT ON (t.conversation_handle, b.sequence_number)
-               t.*, b.sequence_number, b.message_type, b.body, b.traceparent
+               t.*, b.sequence_number, b.message_id, b.message_type, b.body, b.traceparent
         FROM unnest(taken) t
-        JOIN pg_temp.incoming_transport_batch b
+        JOIN pg_temp.incoming_batch b
           ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
         WHERE b.sequence_number > t.receive_sequence
-        ORDER BY t.conversation_handle, b.sequence_number
+        ORDER BY t.conversation_handle, b.sequence_number, b.ctid  -- of a number repeated, the first in the batch
     ), next_run AS (
         SELECT f.*, row_number() OVER (PARTITION BY f.conversation_handle ORDER BY f.sequence_number) AS k
         FROM fresh f
@@ -452,9 +498,9 @@ BEGIN
         FROM accepted a
         RETURNING queue_id
     ), moved_on AS (
-        UPDATE broker.endpoints e SET receive_sequence = last.sequence_number
-        FROM (SELECT a.conversation_handle, max(a.sequence_number) AS sequence_number
-              FROM accepted a GROUP BY a.conversation_handle) last
+        UPDATE broker.endpoints e SET receive_sequence = last.sequence_number, received_message_id = last.message_id
+        FROM (SELECT DISTINCT ON (a.conversation_handle) a.conversation_handle, a.sequence_number, a.message_id
+              FROM accepted a ORDER BY a.conversation_handle, a.sequence_number DESC) last
         WHERE e.conversation_handle = last.conversation_handle
         RETURNING e.conversation_handle, e.conversation_id, e.is_initiator, e.receive_sequence
     ), resent AS (
@@ -463,9 +509,10 @@ BEGIN
         WHERE l.outcome = 'missing' AND l.conversation_id = m.conversation_id AND l.is_initiator = m.is_initiator
           AND l.direction = 'received' AND l.last_number <= m.receive_sequence
     )
-    SELECT coalesce(jsonb_agg(jsonb_build_object(
+    SELECT coalesce(jsonb_agg(jsonb_strip_nulls(jsonb_build_object(
                'conversation_id', t.conversation_id, 'sender_is_initiator', NOT t.is_initiator,
-               'acknowledged', coalesce(m.receive_sequence, t.receive_sequence), 'held', t.receive_sequence)), '[]'),
+               'acknowledged', coalesce(m.receive_sequence, t.receive_sequence), 'held', t.receive_sequence,
+               'held_message_id', t.received_message_id))), '[]'),
            (SELECT array_agg(DISTINCT queue_id) FROM stored)
     INTO results, queues
     FROM unnest(taken) t
@@ -477,8 +524,25 @@ BEGIN
 END $$;
 GRANT EXECUTE ON FUNCTION broker._accept_in_bulk(uuid) TO broker_relay;
 
--- The batch is in pg_temp.incoming_transport_batch (rows of
--- broker.transport_message, filled by COPY in this transaction): the steady
+-- The session's table for the batch it accepts, made once per session: rows
+-- of broker.wire_message, emptied when the transaction that accepts them
+-- commits.  A NULL where the wire format allows none refuses the batch at its
+-- COPY.
+CREATE OR REPLACE FUNCTION broker.stage_batch() RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF to_regclass('pg_temp.incoming_batch') IS NULL THEN
+        CREATE TEMPORARY TABLE incoming_batch OF broker.wire_message (
+            conversation_id WITH OPTIONS NOT NULL, sender_is_initiator WITH OPTIONS NOT NULL,
+            sequence_number WITH OPTIONS NOT NULL, message_type WITH OPTIONS NOT NULL) ON COMMIT DELETE ROWS;
+    END IF;
+END $$;
+COMMENT ON FUNCTION broker.stage_batch() IS
+    'Makes the session''s temporary table incoming_batch, which broker.accept_batch reads, unless it has it.';
+GRANT EXECUTE ON FUNCTION broker.stage_batch() TO broker_relay;
+
+-- The batch is in pg_temp.incoming_batch (rows of broker.wire_message,
+-- filled by COPY in this transaction, see broker.stage_batch): the steady
 -- state in bulk, the rest one conversation at a time, each in a subtransaction
 -- of its own so that a bad conversation never spoils the rest.  Anything the
 -- bulk path trips over sends the whole batch the careful way.
@@ -490,7 +554,7 @@ GRANT EXECUTE ON FUNCTION broker._accept_in_bulk(uuid) TO broker_relay;
 -- is refused exactly as a conversation that does not exist is, so the sender
 -- learns nothing of it, and its rows leave the batch before anything else reads
 -- it: nothing of it changes.
-CREATE OR REPLACE FUNCTION broker.accept_transport_batch(from_instance uuid) RETURNS jsonb
+CREATE OR REPLACE FUNCTION broker.accept_batch(from_instance uuid) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
     not_the_senders jsonb;
@@ -500,9 +564,9 @@ BEGIN
     -- Each trace of the batch checked once: a malformed traceparent refuses the
     -- whole batch (SQLSTATE 23514), before anything is stored.
     PERFORM given::broker.traceparent
-    FROM (SELECT DISTINCT b.traceparent AS given FROM pg_temp.incoming_transport_batch b) traces;
+    FROM (SELECT DISTINCT b.traceparent AS given FROM pg_temp.incoming_batch b) traces;
     WITH batch_conversations AS (
-        SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_transport_batch b
+        SELECT DISTINCT b.conversation_id, b.sender_is_initiator FROM pg_temp.incoming_batch b
     ), foreign_conversations AS (
         SELECT c.* FROM batch_conversations c
         WHERE EXISTS (SELECT 1 FROM broker.endpoints e
@@ -513,7 +577,7 @@ BEGIN
                       WHERE f.conversation_id = c.conversation_id
                         AND (f.is_initiator = c.sender_is_initiator OR f.far_broker_instance <> from_instance))
     ), set_aside AS (
-        DELETE FROM pg_temp.incoming_transport_batch b USING foreign_conversations f
+        DELETE FROM pg_temp.incoming_batch b USING foreign_conversations f
         WHERE b.conversation_id = f.conversation_id AND b.sender_is_initiator = f.sender_is_initiator
     )
     SELECT coalesce(jsonb_agg(jsonb_build_object(
@@ -536,11 +600,12 @@ BEGIN
                                              'sender_is_initiator', b.sender_is_initiator,
                                              'from_service', b.from_service, 'to_service', b.to_service,
                                              'contract', b.contract, 'expires_at', b.expires_at)
-                          ORDER BY b.sequence_number))[1] AS header,
-               jsonb_agg(jsonb_build_object('sequence_number', b.sequence_number, 'message_type', b.message_type,
-                                            'body', encode(b.body, 'base64'), 'traceparent', b.traceparent)
-                         ORDER BY b.sequence_number) AS messages
-        FROM pg_temp.incoming_transport_batch b
+                          ORDER BY b.sequence_number, b.ctid))[1] AS header,
+               jsonb_agg(jsonb_build_object('sequence_number', b.sequence_number, 'message_id', b.message_id,
+                                            'message_type', b.message_type, 'body', encode(b.body, 'base64'),
+                                            'traceparent', b.traceparent)
+                         ORDER BY b.sequence_number, b.ctid) AS messages
+        FROM pg_temp.incoming_batch b
         WHERE NOT EXISTS (SELECT 1 FROM taken_in_bulk t
                           WHERE t.conversation_id = b.conversation_id AND t.sender_is_initiator = b.sender_is_initiator)
         GROUP BY b.conversation_id, b.sender_is_initiator
@@ -555,6 +620,25 @@ BEGIN
                                                         FROM broker.node),
                               'results', not_the_senders || in_bulk || one_by_one);
 END $$;
+COMMENT ON FUNCTION broker.accept_batch(uuid) IS
+    'Stores what comes next of each conversation of the batch in pg_temp.incoming_batch; returns the acknowledgements.';
+GRANT EXECUTE ON FUNCTION broker.accept_batch(uuid) TO broker_relay;
+
+-- A batch in pg_temp.incoming_transport_batch (rows of
+-- broker.transport_message), as the node of the release before revision 0035
+-- stages it: those nodes serve a database migrated ahead of them until they
+-- are replaced.
+CREATE OR REPLACE FUNCTION broker.accept_transport_batch(from_instance uuid) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM broker.stage_batch();
+    INSERT INTO pg_temp.incoming_batch (conversation_id, sender_is_initiator, from_service, to_service, contract,
+                                        expires_at, sequence_number, message_type, body, traceparent)
+    SELECT b.conversation_id, b.sender_is_initiator, b.from_service, b.to_service, b.contract, b.expires_at,
+           b.sequence_number, b.message_type, b.body, b.traceparent
+    FROM pg_temp.incoming_transport_batch b;
+    RETURN broker.accept_batch(from_instance);
+END $$;
 COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
-    'Stores what comes next of each conversation of the batch in pg_temp.incoming_transport_batch; returns the acknowledgements.';
+    'broker.accept_batch of a batch in pg_temp.incoming_transport_batch, as a node of the release before revision 0035 stages it.';
 GRANT EXECUTE ON FUNCTION broker.accept_transport_batch(uuid) TO broker_relay;

@@ -6,7 +6,7 @@
 -- Sending side
 ------------------------------------------------------------------------------
 
--- The next batch for a destination, as rows of broker.transport_message for
+-- The next batch for a destination, as rows of broker.wire_message for
 -- COPY, for the conversations whose handles fall in [first_handle,
 -- last_handle]: a relay splits the conversations among lanes that send at
 -- once.  The waiting messages are read service by service and priority by
@@ -19,13 +19,13 @@
 -- batch is cut where its bodies and headers reach max_bytes.  The first
 -- message always goes, whatever its size, so that a message at the size limit
 -- still travels alone.  A message's share is its body and the texts that
--- travel with it (its traceparent among them), plus 80 bytes for the
+-- travel with it (its traceparent among them), plus 100 bytes for the
 -- fixed-size fields and lengths of its row in the binary COPY format.  The
 -- numbers taken are recorded in broker.transmission_progress, in the relay's
 -- transaction that commits before the batch leaves.
-CREATE OR REPLACE FUNCTION broker.transport_batch(destination text, max_messages integer, max_bytes bigint,
-                                                  first_handle uuid, last_handle uuid)
-RETURNS SETOF broker.transport_message
+CREATE OR REPLACE FUNCTION broker.next_batch(destination text, max_messages integer, max_bytes bigint,
+                                             first_handle uuid, last_handle uuid)
+RETURNS SETOF broker.wire_message
 LANGUAGE plpgsql AS $$
 DECLARE  -- conversations held back after a failure: seldom any, so each message is looked at only then
     holds_back boolean := EXISTS (SELECT 1 FROM broker.transmission_failures f
@@ -36,9 +36,9 @@ BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made ag
         SELECT sized.*
         FROM (SELECT due.conversation_handle, e.conversation_id, e.is_initiator, s.name AS from_service,
                      e.far_service AS to_service, c.name AS contract, e.expires_at,
-                     due.message_sequence_number AS sequence_number, mt.name AS message_type, due.body,
-                     due.traceparent,
-                     sum(80 + coalesce(octet_length(due.body), 0) + octet_length(s.name)
+                     due.message_sequence_number AS sequence_number, due.message_id, mt.name AS message_type,
+                     due.body, due.traceparent,
+                     sum(100 + coalesce(octet_length(due.body), 0) + octet_length(s.name)
                          + octet_length(e.far_service) + octet_length(c.name) + octet_length(mt.name)
                          + coalesce(octet_length(due.traceparent), 0))
                          OVER (ORDER BY due.priority DESC, due.conversation_handle, due.message_sequence_number)
@@ -73,12 +73,27 @@ BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made ag
             transmitted_sequence = greatest(p.transmitted_sequence, excluded.transmitted_sequence)
     )
     SELECT b.conversation_id, b.is_initiator, b.from_service, b.to_service, b.contract, b.expires_at,
-           b.sequence_number, b.message_type, b.body, b.traceparent
+           b.sequence_number, b.message_id, b.message_type, b.body, b.traceparent
     FROM batch b
     ORDER BY b.place;
 END $$;
-COMMENT ON FUNCTION broker.transport_batch(text, integer, bigint, uuid, uuid) IS
+COMMENT ON FUNCTION broker.next_batch(text, integer, bigint, uuid, uuid) IS
     'The next batch for a destination: the lowest waiting numbers of its conversations between the handles, up to a count and a size.';
+GRANT EXECUTE ON FUNCTION broker.next_batch(text,integer,bigint,uuid,uuid) TO broker_relay;
+
+-- The next batch as rows of broker.transport_message (wire version 3), as the
+-- relay of the release before revision 0035 reads it: those nodes serve a
+-- database migrated ahead of them until they are replaced.
+CREATE OR REPLACE FUNCTION broker.transport_batch(destination text, max_messages integer, max_bytes bigint,
+                                                  first_handle uuid, last_handle uuid)
+RETURNS SETOF broker.transport_message
+LANGUAGE sql AS $$
+    SELECT b.conversation_id, b.sender_is_initiator, b.from_service, b.to_service, b.contract, b.expires_at,
+           b.sequence_number, b.message_type, b.body, b.traceparent
+    FROM broker.next_batch(destination, max_messages, max_bytes, first_handle, last_handle) b;
+$$;
+COMMENT ON FUNCTION broker.transport_batch(text, integer, bigint, uuid, uuid) IS
+    'broker.next_batch without message ids (wire version 3), for a relay of the release before revision 0035.';
 GRANT EXECUTE ON FUNCTION broker.transport_batch(text,integer,bigint,uuid,uuid) TO broker_relay;
 
 -- Applies a destination node's answer in one transaction: deletes what it
@@ -97,16 +112,22 @@ GRANT EXECUTE ON FUNCTION broker.transport_batch(text,integer,bigint,uuid,uuid) 
 -- answer, however it is signed, acknowledges, refuses or holds back a message
 -- it was not sent.  A result without a number acknowledges nothing.
 --
--- A database that went back to an earlier point shows in the answer (see
+-- Every result says what the far node held before the batch came (held; a
+-- node of the release before revision 0035 leaves it out of a result that
+-- waits, whose acknowledged is then what it held), and the id of the message
+-- it holds under that number (held_message_id, when it knows one).  A database
+-- that went back to an earlier point shows there (see
 -- broker.transmission_progress): a far node that acknowledges less than it did
 -- before lost what it had acknowledged, and gets it again
 -- (broker._send_again); one that held less than it had acknowledged before
 -- the batch came lost what the batch gave it again (a probe, see
--- broker._probe); a far node that held, before the batch came, numbers
--- this side had not transmitted yet (the answer's held), or that acknowledges
--- more than this side ever numbered, holds what this side numbered before its
--- database went back, and this side's messages are numbered past them
--- (broker._number_past).  A far node that lost what it had acknowledged may
+-- broker._probe); a far node that held, before the batch came, numbers this
+-- side had not transmitted yet, or beyond what it acknowledged a message that
+-- is not the one this side numbered so, or that acknowledges more than this
+-- side ever numbered, holds what this side numbered before its database went
+-- back, and this side's messages are numbered past them
+-- (broker._number_past): nothing of that answer is taken as acknowledged.  A
+-- far node that lost what it had acknowledged may
 -- have lost as much of conversations that have nothing to send: each of its
 -- conversations is probed, at most once a minute (broker.far_node_checks).
 CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb, sent_conversations uuid[],
@@ -120,6 +141,7 @@ DECLARE
     acknowledged bigint[];
     reported bigint[];
     held bigint[];
+    held_ids uuid[];
     refusals text[];
     holds text[];
     result record;
@@ -134,14 +156,16 @@ BEGIN
                       AS s(conversation_id, sender_is_initiator, last_sent)
     )
     SELECT array_agg(e.conversation_handle), array_agg(e.far_service), array_agg(e.priority),
-           array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)), array_agg(r.acknowledged), array_agg(r.held),
+           array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)), array_agg(r.acknowledged),
+           array_agg(coalesce(r.held, CASE WHEN r.waiting IS NOT NULL THEN r.acknowledged END)),
+           array_agg(r.held_message_id),
            array_agg(CASE WHEN r.refused IS NOT NULL
                           THEN coalesce(r.refused ->> 'reason', 'no reason given') END),
            array_agg(r.waiting)
-    INTO handles, services, priorities, acknowledged, reported, held, refusals, holds
+    INTO handles, services, priorities, acknowledged, reported, held, held_ids, refusals, holds
     FROM jsonb_to_recordset(answer -> 'results')
-         AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, held bigint, refused jsonb,
-              waiting text)
+         AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, held bigint,
+              held_message_id uuid, refused jsonb, waiting text)
     JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
     JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
                            AND NOT e.far_is_local;
@@ -160,12 +184,18 @@ BEGIN
     FOR result IN
         SELECT a.conversation_handle, a.reported, a.held, p.previously_transmitted, p.answered_sequence,
                p.acknowledged_sequence, e.send_sequence
-        FROM unnest(handles, reported, held) AS a(conversation_handle, reported, held)
+        FROM unnest(handles, reported, held, held_ids) AS a(conversation_handle, reported, held, held_id)
         JOIN broker.transmission_progress p ON p.conversation_handle = a.conversation_handle
         JOIN broker.endpoints e ON e.conversation_handle = a.conversation_handle
         WHERE a.reported < p.acknowledged_sequence OR a.held > p.previously_transmitted
            OR a.reported > e.send_sequence
            OR (a.held < p.acknowledged_sequence AND e.state IN ('conversing', 'disconnected_outbound'))
+           OR (a.held > p.acknowledged_sequence AND a.held_id IS NOT NULL
+               AND EXISTS (SELECT 1 FROM broker.transmission_queue t
+                           WHERE t.to_service = e.far_service AND t.priority = e.priority
+                             AND t.conversation_handle = e.conversation_handle
+                             AND t.message_sequence_number = a.held
+                             AND t.message_id IS DISTINCT FROM a.held_id))
     LOOP
         IF result.reported < result.acknowledged_sequence THEN
             far_node_lost := true;
@@ -179,10 +209,10 @@ BEGIN
             far_node_lost := true;
             PERFORM broker._record_lost_messages(e, 'sent', result.held + 1, result.acknowledged_sequence, 'resent')
             FROM broker.endpoints e WHERE e.conversation_handle = result.conversation_handle;
-        ELSE
+        ELSE  -- what the far node holds past answered_sequence may be of this side's numbering before it went back
             went_back := went_back || result.conversation_handle;
-            PERFORM broker._number_past(result.conversation_handle,
-                                        greatest(result.reported, result.held), result.answered_sequence);
+            PERFORM broker._number_past(result.conversation_handle, greatest(result.reported, result.held),
+                                        least(result.answered_sequence, greatest(result.reported, result.held) - 1));
         END IF;
     END LOOP;
     IF far_node_lost THEN
@@ -215,9 +245,9 @@ BEGIN
         RETURNING t.*
     ), kept AS (
         INSERT INTO broker.acknowledged_messages (conversation_handle, message_sequence_number, message_type_id,
-                                                  body, enqueued_at, traceparent)
+                                                  body, enqueued_at, traceparent, message_id)
         SELECT r.conversation_handle, r.message_sequence_number, r.message_type_id, r.body, r.enqueued_at,
-               r.traceparent
+               r.traceparent, r.message_id
         FROM removed r
         WHERE (SELECT n.resend_window > interval '0' FROM broker.node n)
     )
@@ -310,10 +340,10 @@ BEGIN
         )
         INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
                                                to_service, message_type_id, body, enqueued_at, transmission_status,
-                                               priority, traceparent)
+                                               priority, traceparent, message_id)
         SELECT handle, k.message_sequence_number, e.conversation_id, e.far_service, k.message_type_id, k.body,
                k.enqueued_at, format('sent again: the far node lost it (its database went back to number %s)', held),
-               e.priority, k.traceparent
+               e.priority, k.traceparent, k.message_id
         FROM taken_back k;
     ELSIF e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
         PERFORM broker._fail_conversation(e, -4, format(
@@ -356,9 +386,10 @@ LANGUAGE sql AS $$
     ), asked AS (
         INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
                                                to_service, message_type_id, body, transmission_status, priority,
-                                               traceparent)
+                                               traceparent, message_id)
         SELECT k.conversation_handle, k.message_sequence_number, e.conversation_id, e.far_service, k.message_type_id,
-               k.body, 'sent again to ask whether the far node still holds it', e.priority, k.traceparent
+               k.body, 'sent again to ask whether the far node still holds it', e.priority, k.traceparent,
+               k.message_id
         FROM taken k
         JOIN broker.endpoints e ON e.conversation_handle = k.conversation_handle
         RETURNING 1
@@ -411,6 +442,7 @@ DECLARE
     shift bigint := held + 1 - transmitted;
     renumbered broker.message_types := broker._message_type('broker.renumbered');
     notice bytea;
+    moved broker.transmission_queue[];
 BEGIN
     SELECT * INTO e FROM broker.endpoints WHERE conversation_handle = handle FOR UPDATE SKIP LOCKED;
     IF NOT FOUND OR e.state NOT IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
@@ -422,20 +454,23 @@ BEGIN
                               'already holds numbers %s to %s from before; the sender''s messages from number %s on '
                               'follow as numbers %s on, and may repeat some of those',
                               transmitted + 1, held, transmitted + 1, held + 2))::text, 'UTF8');
-    WITH moved AS (
+    -- Taken out in one statement and put back in the next: the new numbers of
+    -- some may be the old numbers of others.
+    WITH taken_out AS (
         DELETE FROM broker.transmission_queue t
         WHERE t.to_service = e.far_service AND t.priority = e.priority AND t.conversation_handle = handle
           AND t.message_sequence_number > transmitted
         RETURNING t.*
     )
+    SELECT array_agg(t) INTO moved FROM taken_out t;
     INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id, to_service,
                                            message_type_id, body, enqueued_at, next_attempt_at, transmission_status,
-                                           priority, traceparent)
+                                           priority, traceparent, message_id)
     SELECT m.conversation_handle, m.message_sequence_number + shift, m.conversation_id, m.to_service,
            m.message_type_id, m.body, m.enqueued_at, m.next_attempt_at,
            format('numbered again from %s: the far node already held that number', m.message_sequence_number),
-           m.priority, m.traceparent
-    FROM moved m;
+           m.priority, m.traceparent, m.message_id
+    FROM unnest(moved) m;
     INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id, to_service,
                                            message_type_id, body, priority)
     VALUES (handle, held + 1, e.conversation_id, e.far_service, renumbered.message_type_id, notice, e.priority);

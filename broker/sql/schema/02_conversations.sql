@@ -23,7 +23,10 @@ CREATE DOMAIN broker.traceparent AS text
 -- A receive locks one group row; every message of the group waits for it.
 CREATE TABLE broker.conversation_groups (
     conversation_group_id  uuid PRIMARY KEY,
-    queue_id               integer NOT NULL REFERENCES broker.queues
+    queue_id               integer NOT NULL REFERENCES broker.queues,
+    -- A reader's processing of the group failed: readers that look for a
+    -- group pass it over until then (see broker._back_off).
+    backed_off_until       timestamptz
 );
 
 -- Service Broker's BROKER PRIORITY: a conversation side created for a contract
@@ -69,6 +72,9 @@ CREATE TABLE broker.endpoints (
     -- Its messages are received, and sent to another node, before those of a
     -- lower priority (see broker.broker_priorities).
     priority               smallint NOT NULL DEFAULT 5,
+    -- The id of the message numbered receive_sequence, as its far node gave it
+    -- (broker.wire_message): NULL when it gave none.
+    received_message_id    uuid,
     UNIQUE (conversation_id, is_initiator)
 ) WITH (fillfactor = 70);
 CREATE INDEX endpoints_group ON broker.endpoints (conversation_group_id);

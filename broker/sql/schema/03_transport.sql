@@ -16,6 +16,10 @@ CREATE TABLE broker.transmission_queue (
     transmission_status      text NOT NULL DEFAULT 'waiting for its first transmission',
     priority                 smallint NOT NULL DEFAULT 5,  -- the sending endpoint's
     traceparent              text,  -- the sending transaction's broker._traceparent()
+    -- Its own: with its number, it tells the far node whether the message it
+    -- holds under that number is this one (see broker._anchored).  NULL for a
+    -- message queued before revision 0035.
+    message_id               uuid DEFAULT gen_random_uuid(),
     -- A destination's messages of each priority in the order they are sent
     -- (broker.transport_batch): a batch reads its own destination's messages
     -- and no others.  to_service and priority are the sending endpoint's
@@ -84,6 +88,7 @@ CREATE TABLE broker.acknowledged_messages (
     enqueued_at              timestamptz NOT NULL,
     traceparent              text,
     acknowledged_at          timestamptz NOT NULL DEFAULT now(),
+    message_id               uuid,
     PRIMARY KEY (conversation_handle, message_sequence_number)
 ) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_insert_threshold = -1, autovacuum_vacuum_cost_delay = 0);
@@ -159,12 +164,10 @@ LEFT JOIN LATERAL (SELECT f.* FROM broker.routes r
                    ORDER BY f.failed_at DESC
                    LIMIT 1) f ON true;
 
--- One message of a transport batch, as it travels between nodes: a batch is
--- PostgreSQL's binary COPY format of these rows, written by the sending
--- node's COPY (SELECT * FROM broker.transport_batch(...)) TO STDOUT and read
--- by the receiving node's COPY into a temporary table of this type.  Every
--- row carries its conversation's header; a new conversation is opened with
--- the header of its lowest-numbered message.
+-- One message of a transport batch of wire version 3, as nodes of the
+-- release before revision 0035 write and read it (broker.transport_batch,
+-- broker.accept_transport_batch): kept for them while they serve a database
+-- migrated ahead of them.
 CREATE TYPE broker.transport_message AS (
     conversation_id      uuid,
     sender_is_initiator  boolean,
@@ -178,8 +181,29 @@ CREATE TYPE broker.transport_message AS (
     traceparent          text  -- the span that handed it on (see broker.tracing)
 );
 
+-- One message of a transport batch, as it travels between nodes: a batch is
+-- PostgreSQL's binary COPY format of these rows, written by the sending
+-- node's COPY (SELECT * FROM broker.next_batch(...)) TO STDOUT and read by the
+-- receiving node's COPY into a temporary table of this type.  Every row
+-- carries its conversation's header; a new conversation is opened with the
+-- header of its lowest-numbered message.  A batch of wire version 3 has these
+-- rows without message_id, which stays NULL.
+CREATE TYPE broker.wire_message AS (
+    conversation_id      uuid,
+    sender_is_initiator  boolean,
+    from_service         text,
+    to_service           text,
+    contract             text,
+    expires_at           timestamptz,
+    sequence_number      bigint,
+    message_id           uuid,  -- broker.transmission_queue.message_id
+    message_type         text,
+    body                 bytea,
+    traceparent          text   -- the span that handed it on (see broker.tracing)
+);
+
 -- A conversation of a batch whose endpoint here is locked for the batch.
 CREATE TYPE broker._batch_conversation AS (
     conversation_handle uuid, conversation_id uuid, is_initiator boolean, receive_sequence bigint,
-    queue_id integer, conversation_group_id uuid, contract_id integer, priority smallint
+    queue_id integer, conversation_group_id uuid, contract_id integer, priority smallint, received_message_id uuid
 );
