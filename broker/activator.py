@@ -7,11 +7,14 @@ with messages waiting and no reader in this process, it starts one at once; whil
 reader found nothing to take for GROW_AFTER_S, it starts another, up to max_queue_readers.
 
 A reader is a thread with a connection of its own that holds one of the queue's reader slots (the readers of all
-nodes on the database together hold at most max_queue_readers) and calls broker.activate, each call in a
-transaction of its own: committed when the procedure returns, rolled back when it raises.  A rollback is counted
-against the message it left by broker.count_unreported_rollbacks, as any reader's is; the reader pauses
-FAILURE_PAUSE_S after one, so that the count can lock the message's group.  A reader stops once a call finds no
-conversation group with messages that no other reader holds, and its connection closes with it.
+nodes on the database together hold at most max_queue_readers) and calls broker.call_activated_procedure, each call
+in a transaction of its own, committed when the call ends.  What a procedure that raises did is rolled back, and
+its failure is counted against the message it left in the same call, which backs the message's group off: the
+queue's other groups go first for a while (broker._back_off).  The reader pauses FAILURE_PAUSE_S after a failure,
+so as not to call a procedure that keeps failing at once again when nothing else waits.  An error that ends the
+call's transaction is counted by broker.count_unreported_rollbacks, as any reader's rollback is.  A reader stops
+once a call finds no conversation group with messages that no other reader holds, and its connection closes with
+it.
 
 What the calls did (committed, rolled back, the last failure) is added to broker.queue_activation every
 RECORD_EVERY_S, for `broker status`, /metrics and the console.
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 SUPERVISE_AT_MOST_EVERY_S = 0.05  # a burst of arrivals wakes the supervisor once, not once a message
 GROW_AFTER_S = 0.5
-FAILURE_PAUSE_S = 1.0
+FAILURE_PAUSE_S = 0.25
 RECORD_EVERY_S = 1.0
 LAST_FAILURE_CHARS = 1000
 
@@ -116,28 +119,30 @@ class Activator:
                 connection.commit()
                 while slot is not None and not stop.is_set():
                     try:
-                        called = connection.execute(queries.ACTIVATE, {"queue": queue, "slot": slot}).scalar_one()
+                        failure = connection.execute(queries.ACTIVATE, {"queue": queue, "slot": slot}).scalar_one()
                         connection.commit()
                     except DBAPIError as error:
                         connection.rollback()
                         if error.connection_invalidated:
                             raise
-                        self._failed(queue, error)
-                        stop.wait(FAILURE_PAUSE_S)
-                        continue
-                    if not called:
+                        diagnostics = getattr(error.orig, "diag", None)
+                        failure = (diagnostics.message_primary if diagnostics and diagnostics.message_primary
+                                   else str(error.orig).splitlines()[0])
+                    if failure is None:
                         break
-                    self._succeeded(queue)
+                    if failure:
+                        self._failed(queue, failure)
+                        stop.wait(FAILURE_PAUSE_S)
+                    else:
+                        self._succeeded(queue)
         except DBAPIError as error:
             log.warning("a reader of queue %s stopped (%s)", queue, str(error.orig).splitlines()[0])
         finally:
             with self.lock:
                 self.settled_at[queue] = time.monotonic()
 
-    def _failed(self, queue: str, error: DBAPIError) -> None:
-        diagnostics = getattr(error.orig, "diag", None)
-        reason = (diagnostics.message_primary if diagnostics and diagnostics.message_primary
-                  else str(error.orig).splitlines()[0])[:LAST_FAILURE_CHARS]
+    def _failed(self, queue: str, failure: str) -> None:
+        reason = failure[:LAST_FAILURE_CHARS]
         log.warning("the activated procedure of queue %s failed and was rolled back: %s", queue, visible(reason))
         with self.lock:
             tally = self.tallies.setdefault(queue, Tally())

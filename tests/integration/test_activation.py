@@ -190,6 +190,26 @@ def test_a_procedure_that_raises_rolls_back_and_its_message_ends_in_the_dead_let
     _shown(node, status)
 
 
+def test_a_poison_message_does_not_hold_the_other_conversations_back_while_it_is_tried_again(node):
+    """The poison message comes first and the other conversations right behind it: each failed call backs its
+    group off, so the readers take the others while it waits to be tried again (a second after its first failure,
+    two after its second...); none of them waits for its quarantine."""
+    with node.engine.begin() as c:
+        broker.alter_queue(c, "job_queue", poison_threshold=5)
+        broker.set_queue_activation(c, "job_queue", "do_jobs", max_queue_readers=4, execute_as="worker")
+    _send_jobs(node, "fail me")
+    _send_jobs(node, *(f"job {n}" for n in range(20)))
+    started = time.monotonic()
+    node.start()
+    wait_for(lambda: len(_done(node)) == 20, 30, "the other conversations' jobs")
+    took_s = time.monotonic() - started
+    failures = node.scalar("SELECT max(failed_attempts) FROM broker.queue_messages")
+    assert failures is not None and failures < 5, "the poison message was quarantined before the others were done"
+    assert node.scalar("SELECT count(*) FROM broker.dead_letters") == 0
+    assert took_s < 5, f"the other conversations took {took_s:.1f} s behind the poison message"
+    wait_for(lambda: node.scalar("SELECT count(*) FROM broker.dead_letters") == 1, 60, "its quarantine")
+
+
 def test_what_a_procedure_sets_for_its_session_does_not_outlast_its_call(node):
     """A procedure that sets its session's role and search_path (not SET LOCAL) leaves the next call as it found
     it: the node's reader resets its session after each call, so the next job is done too."""

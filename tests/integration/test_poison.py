@@ -1,6 +1,7 @@
 """Poison messages: a message whose processing keeps failing is quarantined; the queue keeps flowing."""
 import threading
 import time
+from datetime import timedelta
 
 from sqlalchemy import text
 
@@ -41,6 +42,29 @@ def test_report_processing_failure_quarantines_at_the_threshold(engine, orders):
         assert error.message_type == "broker.error" and error.json()["code"] == -2
         [notice] = broker.receive(c, WAREHOUSE_QUEUE, 10)
         assert (notice.message_type, notice.message_sequence_number) == ("broker.error", 0)
+
+
+def test_a_group_whose_processing_failed_is_passed_over_while_another_waits(engine, orders):
+    """A SQL reader's failure, reported, backs the group off: the next receive takes the group behind it, and the
+    failed one again once no other group waits, back-off or not."""
+    with engine.begin() as c:
+        poison, other = begin(c), begin(c)
+        broker.send(c, poison, "order.note", "poison")
+        for body in ("other 1", "other 2"):
+            broker.send(c, other, "order.note", body)
+    with engine.connect() as c:
+        [message] = broker.receive(c, WAREHOUSE_QUEUE, 10)
+        c.rollback()
+    assert message.body == b"poison"
+    with engine.begin() as c:
+        assert not broker.report_processing_failure(c, WAREHOUSE_QUEUE, message.conversation_group_id, "boom")
+        backed_off = c.execute(text("SELECT backed_off_until - clock_timestamp() FROM broker.conversation_groups"
+                                    " WHERE conversation_group_id = :g"), {"g": message.conversation_group_id})
+        assert timedelta(seconds=0.5) < backed_off.scalar_one() < timedelta(seconds=1)
+    with engine.begin() as c:
+        assert [m.body for m in broker.receive(c, WAREHOUSE_QUEUE, 10)] == [b"other 1", b"other 2"]
+    with engine.begin() as c:
+        assert [m.body for m in broker.receive(c, WAREHOUSE_QUEUE, 10)] == [b"poison"]
 
 
 def test_a_failure_is_counted_against_the_message_that_causes_it(engine, orders):

@@ -17,12 +17,15 @@
 -- A group whose expired lease is ended here may have lost its messages
 -- meanwhile: the expiry counts as a processing failure and can quarantine the
 -- conversation, moving its messages to the dead letters.  Such a group is
--- passed over, and the walk goes on to the next.
+-- passed over, and the walk goes on to the next.  A group backed off after a
+-- failure (broker._back_off) is passed over too, and taken only when the
+-- walk finds no other.
 CREATE OR REPLACE FUNCTION broker._lock_group(q broker.queues, requested_group uuid) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
     candidate uuid;
     leases_here boolean := EXISTS (SELECT 1 FROM broker.leases l WHERE l.queue_id = q.queue_id);
+    backed_off_too boolean := false;
 BEGIN
     IF requested_group IS NOT NULL THEN
         PERFORM 1 FROM broker.conversation_groups
@@ -38,9 +41,14 @@ BEGIN
           AND (NOT leases_here OR NOT EXISTS (SELECT 1 FROM broker.leases l
                                               WHERE l.conversation_group_id = m.conversation_group_id
                                                 AND l.expires_at > clock_timestamp()))
+          AND (backed_off_too OR g.backed_off_until IS NULL OR g.backed_off_until <= clock_timestamp())
         ORDER BY m.priority DESC, m.queue_position
         LIMIT 1
         FOR NO KEY UPDATE OF g SKIP LOCKED;
+        IF candidate IS NULL AND NOT backed_off_too THEN
+            backed_off_too := true;  -- no other group waits: one backed off is taken after all
+            CONTINUE;
+        END IF;
         IF candidate IS NULL OR NOT EXISTS (SELECT 1 FROM broker.leases l WHERE l.conversation_group_id = candidate) THEN
             RETURN candidate;
         END IF;

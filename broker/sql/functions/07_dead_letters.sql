@@ -1,36 +1,49 @@
 -- Poison messages and dead letters: failures counted, conversations
 -- quarantined, dead letters resubmitted and purged, and queues purged.
 
--- Records that processing the head message of a group failed (its transaction
--- rolled back, a lease was abandoned or expired).  At the queue's poison
--- threshold the message's conversation is quarantined: its waiting messages
--- move to broker.dead_letters and it ends with broker.error on both sides.
--- Returns true when it quarantined.  The head message is the first in the
--- order of broker.queue_messages_in_order, and its conversation is locked
--- before the message is: every writer locks a conversation's endpoints before
--- its messages (broker.end_conversation, say, which deletes them), so taking
--- them the other way round could deadlock with it.
-CREATE OR REPLACE FUNCTION broker.report_processing_failure(queue text, conversation_group uuid, reason text)
+-- Counts a failed attempt on the head message of a group (see
+-- broker.report_processing_failure), backing the group off when asked to
+-- (broker._back_off); true when that quarantined its conversation.
+CREATE OR REPLACE FUNCTION broker._head_failed(q broker.queues, group_id uuid, reason text, backing_off boolean)
 RETURNS boolean
-LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp
-AS $$
+LANGUAGE plpgsql AS $$
 DECLARE
-    q broker.queues := broker._queue(queue);
     head broker.queue_messages;
-    e broker.endpoints;
+    quarantined boolean;
 BEGIN
     SELECT m.* INTO head FROM broker.queue_messages m
-    WHERE m.conversation_group_id = broker._require('conversation_group', conversation_group)
-      AND m.queue_id = q.queue_id AND m.received_at IS NULL
+    WHERE m.conversation_group_id = group_id AND m.queue_id = q.queue_id AND m.received_at IS NULL
     ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
              m.notice_after IS NOT NULL, m.queue_position
     LIMIT 1;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    RETURN broker._count_failure(q, broker._lock_endpoint(head.conversation_handle), head, reason);
+    quarantined := broker._count_failure(q, broker._lock_endpoint(head.conversation_handle), head, reason);
+    IF backing_off THEN
+        PERFORM broker._back_off(group_id, head.failed_attempts + 1);
+    END IF;
+    RETURN quarantined;
 END $$;
+GRANT EXECUTE ON FUNCTION broker._head_failed(broker.queues,uuid,text,boolean) TO broker_relay;
+
+-- Records that processing the head message of a group failed (its transaction
+-- rolled back, a lease expired), and backs the group off (broker._back_off).
+-- At the queue's poison threshold the message's conversation is quarantined:
+-- its waiting messages move to broker.dead_letters and it ends with
+-- broker.error on both sides.  Returns true when it quarantined.  The head message is the first in the
+-- order of broker.queue_messages_in_order, and its conversation is locked
+-- before the message is: every writer locks a conversation's endpoints before
+-- its messages (broker.end_conversation, say, which deletes them), so taking
+-- them the other way round could deadlock with it.
+CREATE OR REPLACE FUNCTION broker.report_processing_failure(queue text, conversation_group uuid, reason text)
+RETURNS boolean
+LANGUAGE sql
+SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp
+AS $$
+    SELECT broker._head_failed(broker._queue(queue), broker._require('conversation_group', conversation_group), reason,
+                               true);
+$$;
 GRANT EXECUTE ON FUNCTION broker.report_processing_failure(text,uuid,text) TO broker_application;
 
 -- Counts a failed attempt on a waiting message of a locked conversation side.
@@ -52,6 +65,26 @@ BEGIN
     RETURN true;
 END $$;
 GRANT EXECUTE ON FUNCTION broker._count_failure(broker.queues,broker.endpoints,broker.queue_messages,text) TO broker_relay;
+
+-- A group whose processing failed (its reader's transaction rolled back, or its
+-- lock expired; not a lock abandoned, which gives the group back at once) is
+-- passed over by readers that look for a group while another waits that no
+-- one holds (broker._lock_group): for a second after the first failure of its
+-- head message, doubling with each failure up to a minute.  So a poison
+-- message does not hold the queue's other conversations back while it is
+-- tried again, and is tried again at once when nothing else waits.  A group
+-- another transaction holds is left as it is: its reader is at it again, and
+-- the caller, which holds the conversation, never waits for the group
+-- (readers lock a group before its conversations).
+CREATE OR REPLACE FUNCTION broker._back_off(group_id uuid, failures integer) RETURNS void
+LANGUAGE sql AS $$
+    UPDATE broker.conversation_groups g
+    SET backed_off_until = clock_timestamp() + least(interval '1 minute', interval '1 second' * 2 ^ (failures - 1))
+    WHERE g.conversation_group_id IN (SELECT f.conversation_group_id FROM broker.conversation_groups f
+                                      WHERE f.conversation_group_id = group_id
+                                      FOR NO KEY UPDATE SKIP LOCKED);
+$$;
+GRANT EXECUTE ON FUNCTION broker._back_off(uuid,integer) TO broker_relay;
 
 -- Whether the transaction with this 32-bit id rolled back: the id of this
 -- epoch, or of the one before when it is above the next id's low bits.
@@ -151,6 +184,7 @@ BEGIN
     END IF;
     PERFORM broker._count_failure(due.queue, e, message,
         'its reader rolled back without calling broker.report_processing_failure (counted by the node)');
+    PERFORM broker._back_off(message.conversation_group_id, message.failed_attempts + 1);
     RETURN 1;
 END $$;
 COMMENT ON FUNCTION broker.count_unreported_rollbacks(interval, integer) IS

@@ -231,8 +231,8 @@ BEGIN
     END IF;
     PERFORM broker._record_lease_end(lease.lock_token, lease.queue_id, 'abandoned', clock_timestamp());
     PERFORM pg_notify('broker_queue', lease.queue_id::text);
-    RETURN broker.report_processing_failure((SELECT name FROM broker.queues WHERE queue_id = lease.queue_id),
-                                            lease.conversation_group_id, 'the lock was abandoned');
+    RETURN broker._head_failed((SELECT q FROM broker.queues q WHERE q.queue_id = lease.queue_id),
+                               lease.conversation_group_id, 'the lock was abandoned', false);
 END $$;
 COMMENT ON FUNCTION broker.abandon_lock(uuid) IS
     'Returns the messages of a lease to the queue now; counts toward the poison threshold.';

@@ -140,24 +140,50 @@ END $$;
 -- Calls the queue's procedure once, in the caller's transaction, as its
 -- execute_as, when a conversation group of the queue has messages no other
 -- transaction holds (it is locked first, so the procedure's broker.receive
--- finds it); true when it called.  False, without calling, when there is
--- none, when activation is off or the queue disabled, or when the reader's
--- slot is no longer below max_queue_readers: the reader then stops.  After a
--- call the transaction runs as execute_as: the caller commits or rolls back
--- next, and does nothing else in it.
-CREATE OR REPLACE FUNCTION broker.activate(queue text, slot integer) RETURNS boolean
+-- finds it).  Returns NULL, without calling, when there is none, when
+-- activation is off or the queue disabled, or when the reader's slot is no
+-- longer below max_queue_readers: the reader then stops.  Else it returns ''
+-- when the procedure returned, and after that the transaction runs as
+-- execute_as: the caller commits or rolls back next, and does nothing else in
+-- it.  When the procedure raises, what it did is rolled back (it runs in a
+-- subtransaction), the failure is counted against the head message of the
+-- group, which is backed off (broker._count_failure), and the error's message
+-- is returned: the caller commits the count.  An error that ends the whole
+-- transaction (the statement's timeout, say) is counted by the node later
+-- (broker.count_unreported_rollbacks).
+CREATE OR REPLACE FUNCTION broker.call_activated_procedure(queue text, slot integer) RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE
     q broker.queues;
     a broker.queue_activation;
+    locked_group uuid;
+    failure text;
 BEGIN
     SELECT * INTO q FROM broker.queues WHERE name = queue;
     SELECT * INTO a FROM broker.queue_activation WHERE queue_id = q.queue_id;
-    IF NOT FOUND OR NOT a.is_enabled OR NOT q.is_enabled OR slot >= a.max_queue_readers
-       OR broker._wait_for_group(q, NULL, NULL, 0) IS NULL THEN
-        RETURN false;
+    IF NOT FOUND OR NOT a.is_enabled OR NOT q.is_enabled OR slot >= a.max_queue_readers THEN
+        RETURN NULL;
     END IF;
-    PERFORM set_config('role', a.execute_as, true);
-    EXECUTE format('CALL %s($1)', a.procedure_name) USING queue;
-    RETURN true;
+    locked_group := broker._wait_for_group(q, NULL, NULL, 0);
+    IF locked_group IS NULL THEN
+        RETURN NULL;
+    END IF;
+    BEGIN
+        PERFORM set_config('role', a.execute_as, true);
+        EXECUTE format('CALL %s($1)', a.procedure_name) USING queue;
+        RETURN '';
+    EXCEPTION WHEN OTHERS THEN  -- the role is the node's again, as before the subtransaction
+        failure := SQLERRM;
+    END;
+    PERFORM broker.report_processing_failure(queue, locked_group, failure);
+    RETURN failure;
 END $$;
+
+-- One call, as the node of the release before revision 0035 makes it: whether
+-- it called.  A failure is counted already.
+CREATE OR REPLACE FUNCTION broker.activate(queue text, slot integer) RETURNS boolean
+LANGUAGE sql AS $$
+    SELECT broker.call_activated_procedure(queue, slot) IS NOT NULL;
+$$;
+COMMENT ON FUNCTION broker.activate(text, integer) IS
+    'Whether broker.call_activated_procedure called, for a node of the release before revision 0035.';
