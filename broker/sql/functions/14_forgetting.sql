@@ -15,7 +15,9 @@
 
 -- A peer forgets a conversation it ended after its tombstone_retention (see
 -- broker.peer_retention): a message it has not acknowledged after that long
--- may reach it after it forgot, and open the conversation anew.  So a
+-- may reach it after it forgot, and open the conversation anew.  A peer whose
+-- retention was never heard (none of its answers came back) is taken to keep
+-- the shortest a node can (a day, see broker.node).  So a
 -- conversation side whose oldest waiting message is older than its peer's
 -- retention, less margin, stops: what waits of it moves to the dead letters
 -- (queue_position 0: never delivered) with the reason, and the conversation
@@ -31,6 +33,7 @@ LANGUAGE plpgsql
 SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp
 AS $$
 DECLARE
+    shortest_retention constant interval := '1 day';  -- the least broker.node.tombstone_retention takes
     candidate record;
     e broker.endpoints;
     first_number bigint;
@@ -39,16 +42,17 @@ DECLARE
     stopped integer := 0;
 BEGIN
     FOR candidate IN
-        SELECT o AS side, r.tombstone_retention AS retention
+        SELECT o AS side, coalesce(r.tombstone_retention, shortest_retention) AS retention
         FROM (SELECT DISTINCT t.conversation_handle FROM broker.transmission_queue t
-              WHERE t.enqueued_at < now() - (SELECT min(r.tombstone_retention) FROM broker.peer_retention r) + margin
+              WHERE t.enqueued_at < now() - least((SELECT min(r.tombstone_retention) FROM broker.peer_retention r),
+                                                  shortest_retention) + margin
              ) waiting
         JOIN broker.endpoints o ON o.conversation_handle = waiting.conversation_handle AND NOT o.far_is_local
-        JOIN broker.peer_retention r ON r.broker_instance = o.far_broker_instance
+        LEFT JOIN broker.peer_retention r ON r.broker_instance = o.far_broker_instance
         WHERE EXISTS (SELECT 1 FROM broker.transmission_queue t
                       WHERE t.to_service = o.far_service AND t.priority = o.priority
                         AND t.conversation_handle = o.conversation_handle
-                        AND t.enqueued_at < now() - r.tombstone_retention + margin)
+                        AND t.enqueued_at < now() - coalesce(r.tombstone_retention, shortest_retention) + margin)
         FOR UPDATE OF o SKIP LOCKED
     LOOP
         e := candidate.side;
