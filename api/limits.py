@@ -1,6 +1,8 @@
 """Request limits: a body over the size limit gets 413, one that does not come in time 408, and a /v1
 JSON body nested too deep or holding too many values 422, before any route sees it (and so before
-FastAPI builds its Python objects)."""
+FastAPI builds its Python objects).  A body sent to a path that no route serves gets 404 before it is
+read: a peer whose route has a path prefix that reaches the node itself learns that its address is
+wrong, not that its batches are too large."""
 import asyncio
 import logging
 import re
@@ -23,11 +25,13 @@ NOT_A_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
 class RequestLimits:
-    """Pure ASGI middleware: reads the body up to limit_for(path) bytes within timeout_s, then hands it on."""
+    """Pure ASGI middleware: reads the body up to limit_for(path) bytes within timeout_s, then hands it on;
+    served(scope) says whether a route serves the request's path."""
 
-    def __init__(self, app, limit_for: Callable[[str], int], timeout_s: float):
+    def __init__(self, app, limit_for: Callable[[str], int], served: Callable[[dict], bool], timeout_s: float):
         self.app = app
         self.limit_for = limit_for
+        self.served = served
         self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send):
@@ -35,6 +39,11 @@ class RequestLimits:
             return await self.app(scope, receive, send)
         limit = self.limit_for(scope["path"])
         declared = dict(scope["headers"]).get(b"content-length", b"")
+        if limit == 0 and declared not in (b"", b"0") and not self.served(scope):
+            return await problem(404, "http-error", "Not Found",
+                                 f"this node serves no {scope['method']} {scope['path'][:200]!r}: check the address "
+                                 "the request was sent to (a route's path prefix needs a proxy in front of the node "
+                                 "that takes it away)", headers=CLOSE)(scope, receive, send)
         if declared.isdigit() and int(declared) > limit:
             return await self._too_large(limit, scope, receive, send)
         messages, size = [], 0

@@ -70,7 +70,7 @@ def create_app(database_url: str, settings: Settings) -> FastAPI:
                    transport.router, console.router):
         app.include_router(router)
     app.add_middleware(RequestLimits, limit_for=lambda path: body_limit(settings, path),
-                       timeout_s=settings.request_timeout_s)
+                       served=lambda scope: _serves(app, scope), timeout_s=settings.request_timeout_s)
     # outside RequestLimits: before the body is read
     app.add_middleware(Admission, engine=app.state.engine, max_clock_skew_s=settings.max_clock_skew_s)
     app.add_middleware(InternalErrors)
@@ -123,6 +123,11 @@ def create_app(database_url: str, settings: Settings) -> FastAPI:
                        "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()[:5]))
 
     return app
+
+
+def _serves(app: FastAPI, scope: dict) -> bool:
+    """Whether a route serves the request's path, with any method."""
+    return any(route.matches(scope)[0] != Match.NONE for route in app.router.routes)
 
 
 def _methods_at(app: FastAPI, request: Request) -> str:

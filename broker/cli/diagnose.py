@@ -50,6 +50,8 @@ REFUSAL_ADVICE = [
     ("HTTP 401", "that node refuses our signature: give the routes on both nodes the same secret and the right "
                  "broker_instance"),
     ("HTTP 5", "that node fails: look at its log"),
+    ("HTTP 404", "that address does not lead to a node's transport: fix the routes' address (a path prefix needs a "
+                 "proxy in front of that node that takes it away)"),
     ("cannot reach", "start that node ('broker serve'), or fix the routes' address"),
     ("not signed by the peer", "use the same secret in the routes on both nodes"),
     ("is broker instance", "recreate the routes to that node with its broker_instance"),

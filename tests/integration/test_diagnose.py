@@ -211,7 +211,7 @@ def test_a_clock_past_the_limit_gets_clock_advice_wherever_it_is_the_cause(nodes
 
 @pytest.mark.parametrize("status, advice", [
     (500, "that node fails: look at its log"), (503, "that node fails: look at its log"),
-    (404, "see the checks of that node's routes below")])
+    (404, "fix the routes' address"), (418, "see the checks of that node's routes below")])
 def test_a_destination_that_keeps_refusing_is_an_error_with_advice_whatever_the_cause(nodes, status, advice):
     a, _ = nodes
     with ScriptedPeer(lambda request: json_answer(status, {"title": "no"})) as peer:
@@ -223,7 +223,7 @@ def test_a_destination_that_keeps_refusing_is_an_error_with_advice_whatever_the_
         code, findings = _diagnose(a)
     assert code == 1
     refusing = _errors(findings)[f"transmission to {peer.address}"]
-    assert f"answered HTTP {status}" in refusing["finding"] and refusing["advice"] == advice
+    assert f"answered HTTP {status}" in refusing["finding"] and advice in refusing["advice"]
 
 
 @pytest.mark.parametrize("offset_s, level", [("+30", "warning"), ("-120", "error")])

@@ -110,3 +110,26 @@ def test_a_route_whose_name_resolves_to_a_metadata_address_is_not_connected_to_a
                   {"address": b.address})
     wait_for(lambda: b.scalar("SELECT depth FROM broker.queue_status WHERE queue_name = 'warehouse_queue'") == 1,
              60, "the message to arrive once the route is put right")
+
+
+def test_a_path_prefix_that_reaches_the_node_itself_is_not_found_and_diagnose_says_so(nodes):
+    """No proxy in front of b takes the route's path prefix away: b answers a batch to /broker/transport/v1/batches
+    with 404 before it reads the body (not 413, which would have the relay shrink its batches), the messages wait,
+    and diagnose names the address as the thing to fix."""
+    a, b = nodes
+    with a.engine.begin() as c:
+        c.execute(text("UPDATE broker.routes SET address = :address WHERE service_name = 'warehouse'"),
+                  {"address": f"{b.address}/broker"})
+        handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
+        broker.send(c, handle, "order.submit", '{"sku": "A-1"}')
+    status = wait_for(lambda: a.scalar("SELECT max(transmission_status) FROM broker.transmission_queue_status"
+                                       " WHERE attempts > 0"), 30, "the refusal to show")
+    assert "answered HTTP 404" in status and "this node serves no POST '/broker/transport/v1/batches'" in status
+    _, findings = _diagnose(a)
+    [transmission] = [f for f in findings if f["check"] == f"transmission to {b.address}/broker"]
+    assert "fix the routes' address" in transmission["advice"]
+    with a.engine.begin() as c:
+        c.execute(text("UPDATE broker.routes SET address = :address WHERE service_name = 'warehouse'"),
+                  {"address": b.address})
+    wait_for(lambda: b.scalar("SELECT depth FROM broker.queue_status WHERE queue_name = 'warehouse_queue'") == 1,
+             60, "the message to arrive once the route is put right")
