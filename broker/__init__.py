@@ -1,4 +1,6 @@
 """Exactly-once-in-order messaging between PostgreSQL databases, in the style of Service Broker."""
+from importlib.metadata import version as _installed_version
+
 from broker.core import (
     LockedMessage,
     ReceivedMessage,
@@ -60,8 +62,11 @@ from broker.errors import (
     ValidationFailed,
 )
 
+# This release's version (pyproject.toml; CHANGELOG.md says what each release changed).
+__version__ = _installed_version("pg-broker")
+
 __all__ = [
-    "ActivationRefused", "AlreadyExists", "BrokerError", "CheckpointMoved", "ConversationClosed", "InUse", "InvalidArgument", "LockLost",
+    "__version__", "ActivationRefused", "AlreadyExists", "BrokerError", "CheckpointMoved", "ConversationClosed", "InUse", "InvalidArgument", "LockLost",
     "LockedMessage", "MessageTooLarge", "NotAllowed", "QueueDisabled", "ReceivedMessage", "SequenceConflict",
     "UnknownObject", "ValidationFailed", "abandon_lock", "add_peer_secret", "alter_queue", "alter_service", "begin_conversation_timer", "begin_dialog",
     "complete_lock", "create_broker_priority", "create_contract", "create_message_type", "create_queue",

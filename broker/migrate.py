@@ -12,7 +12,7 @@ from broker import queries, schema
 # database stays its own.
 VERSION_TABLE = "broker_alembic_version"
 # The revisions up to the baseline were squashed into it; the last release that holds them all upgrades a database
-# from any of them to the baseline.
+# from any of them to the baseline.  It came before release numbers: CHANGELOG.md names it by its commit.
 BASELINE = "0028"
 LAST_RELEASE_BEFORE_BASELINE = "b38c60a"
 
@@ -111,8 +111,9 @@ def refuse_older_than_baseline(connection) -> None:
         if held not in known:
             raise OlderThanBaseline(
                 f"the database's broker schema is at revision {held}, older than this release's baseline "
-                f"{BASELINE}: upgrade it first with the release of commit {LAST_RELEASE_BEFORE_BASELINE} "
-                f"(its `broker migrate` takes it to {BASELINE}), then run `broker migrate` again with this one")
+                f"{BASELINE}: upgrade it first with the release of commit {LAST_RELEASE_BEFORE_BASELINE}, from before "
+                f"release numbers (see \"Before 0.1.0\" in CHANGELOG.md; its `broker migrate` takes it to {BASELINE}), "
+                "then run `broker migrate` again with this one")
 
 
 def downgrade(database_url: str, revision: str = "base") -> None:

@@ -2,6 +2,7 @@
 this one: every release talks to the previous release in both directions."""
 import io
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -12,8 +13,18 @@ from pathlib import Path
 REPOSITORY = Path(__file__).resolve().parent.parent
 # The last release before this one (revision 0034, wire versions 2 and 3): the release this one must talk to, both
 # ways, and whose databases this release's migrations take over while it serves.
-PREVIOUS_RELEASE = "a68602b"
+PREVIOUS_RELEASE = "0.1.0"
 PREVIOUS_REVISION = "0034"
+
+
+def commit_of(version: str) -> str:
+    """The commit a release landed as, as CHANGELOG.md names it in the release's section."""
+    changelog = (REPOSITORY / "CHANGELOG.md").read_text()
+    section = re.search(rf"^## \[{re.escape(version)}\].*?(?=^## )", changelog, re.MULTILINE | re.DOTALL)
+    commit = section and re.search(r"Released as commit `([0-9a-f]{7,40})`", section.group(0))
+    if not commit:
+        raise LookupError(f"CHANGELOG.md names no commit for release {version}")
+    return commit.group(1)
 
 
 @dataclass(frozen=True)
@@ -24,21 +35,21 @@ class Release:
     home: Path
 
 
-def checkout(commit: str, directory: Path) -> Path:
-    """The project's files as of commit, in directory (from git archive: no work tree is touched)."""
+def checkout(version: str, directory: Path) -> Path:
+    """The project's files as of a release, in directory (from git archive: no work tree is touched)."""
     directory.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(["git", "-C", str(REPOSITORY), "archive", "--format=tar", commit],
+    archive = subprocess.run(["git", "-C", str(REPOSITORY), "archive", "--format=tar", commit_of(version)],
                              capture_output=True, check=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(directory, filter="data")
     return directory
 
 
-def install(commit: str, directory: Path) -> Release:
-    """The release of commit, installed with pip (not editable) into a virtual environment of its own in
-    directory.  Its dependencies are this environment's, named by a .pth file rather than downloaded again: the
-    releases pin the same versions."""
-    source = checkout(commit, directory / "source")
+def install(version: str, directory: Path) -> Release:
+    """A release, installed with pip (not editable) into a virtual environment of its own in directory.  Its
+    dependencies are this environment's, named by a .pth file rather than downloaded again: the releases pin the
+    same versions."""
+    source = checkout(version, directory / "source")
     environment = directory / "environment"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True, timeout=120)
     python = environment / "bin" / "python"

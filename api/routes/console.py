@@ -131,6 +131,8 @@ class RelayTotals(BaseModel):
 
 
 class NodeStatus(BaseModel):
+    version: str = Field(description="this node's release (pg-broker's version)")
+    schema_revision: str | None = Field(description="the broker schema's Alembic revision")
     queues: list[QueueStatus]
     activation: list[Activation]
     conversations: list[EndpointCount]

@@ -14,13 +14,14 @@ from sqlalchemy.exc import DBAPIError
 
 from api.deps import AdminKey, Database
 from api.problems import KEYED, error_responses, problem
-from broker import migrate, queries, schema
+from broker import __version__, migrate, queries, schema
 from broker.transport import wire
 
 router = APIRouter(tags=["operations"])
 
 class Health(BaseModel):
     status: str = Field(examples=["ok"])
+    version: str = Field(description="this node's release (pg-broker's version)", examples=["0.2.0"])
     broker_instance: UUID = Field(description="this node's identity, as its peers' routes name it")
     wire_version: int = Field(description="the highest version of the batches this node sends and takes")
     wire_versions: list[int] = Field(description="every version of the batches this node takes and sends: a peer "
@@ -35,8 +36,8 @@ class Readiness(BaseModel):
 
 @router.get("/healthz", summary="Liveness")
 async def healthz(request: Request) -> Health:
-    return Health(status="ok", broker_instance=request.app.state.broker_instance, wire_version=wire.WIRE_VERSION,
-                  wire_versions=list(wire.WIRE_VERSIONS))
+    return Health(status="ok", version=__version__, broker_instance=request.app.state.broker_instance,
+                  wire_version=wire.WIRE_VERSION, wire_versions=list(wire.WIRE_VERSIONS))
 
 
 @router.get("/readyz", summary="Readiness: the database answers and its schema serves this node",

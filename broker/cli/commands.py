@@ -63,6 +63,20 @@ def _log_to_stderr() -> None:
     logging.getLogger("api.audit").setLevel(logging.INFO)
 
 
+def _print_version(shown: bool) -> None:
+    if shown:
+        from broker import __version__
+
+        print(f"pg-broker {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="print this release's version and exit")) -> None:
+    """Exactly-once-in-order messaging between PostgreSQL databases."""
+
+
 def main() -> None:
     """The `broker` command: any failure is one line on stderr that says what to do, never a traceback."""
     try:
@@ -438,6 +452,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
     if conversation is not None:
         _print_conversation(report)
         return
+    console.print(f"pg-broker {report['version']}, schema revision {report['schema_revision']}", highlight=False)
     queues = Table("queue", "status", "depth", "oldest", "readers", "dead letters", title="Queues",
                    title_justify="left")
     for q in report["queues"]:

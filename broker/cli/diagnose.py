@@ -15,7 +15,8 @@ import httpx
 from pydantic import ValidationError
 from sqlalchemy import Connection
 
-from broker import queries, relay
+from broker import __version__, queries, relay
+from broker.masking import visible
 from broker.cli.status import lost_messages_explained
 from broker.transport import describe, signing, wire
 from broker.transport.sending import wire_versions_named
@@ -107,9 +108,9 @@ def _database_clock_findings(connection: Connection) -> list[Finding]:
 def _local_findings(connection: Connection, schema_head: str, max_wait_s: float) -> list[Finding]:
     findings = _database_clock_findings(connection)
     version = queries.schema_revision(connection)
-    findings.append(_ok("schema", f"at revision {version}") if version == schema_head else Finding(
-        "error", "schema", f"the database is at revision {version}, this version needs {schema_head}",
-        "run 'broker migrate'"))
+    findings.append(_ok("schema", f"at revision {version}, for pg-broker {__version__}") if version == schema_head
+                    else Finding("error", "schema", f"the database is at revision {version}, pg-broker {__version__} "
+                                 f"needs {schema_head}", "run 'broker migrate'"))
     for queue in queries.queue_statuses(connection):
         if queue.status != "enabled":
             findings.append(Finding(
@@ -159,7 +160,7 @@ DATABASE_CLOCK_WARNING_S = 2.0
 DATABASE_CLOCK_ERROR_S = 60.0
 
 
-def _clock_finding(check: str, their_instance: str, skew_s: float, max_skew_s: float) -> Finding:
+def _clock_finding(check: str, their_instance: str, their_release: str, skew_s: float, max_skew_s: float) -> Finding:
     """How far the peer's clock is from ours, to a tenth of a second (the timestamps are whole seconds, so up
     to a second more or less), against the skew this node accepts."""
     if skew_s > max_skew_s:
@@ -168,7 +169,14 @@ def _clock_finding(check: str, their_instance: str, skew_s: float, max_skew_s: f
     if skew_s > max_skew_s / 2:
         return Finding("warning", check, f"its clock is {skew_s:.1f} s from ours (this node accepts at most "
                        f"{max_skew_s:g} s)", CLOCK_ADVICE)
-    return _ok(check, f"answers as instance {their_instance}, signs both ways, clock within {skew_s:.0f} s")
+    return _ok(check, f"answers as instance {their_instance} ({their_release}), signs both ways, clock within "
+                      f"{skew_s:.0f} s")
+
+
+def _release(health: httpx.Response) -> str:
+    """A peer's release, as its /healthz names it (a node before 0.2.0 names none)."""
+    version = _member(health, "version")
+    return f"pg-broker {visible(version[:40])}" if isinstance(version, str) else "a release before pg-broker 0.2.0"
 
 
 def _peer_findings(client: httpx.Client, address: str, route_instance: str, secret: str, rotated: list,
@@ -197,7 +205,8 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
                         "the other's batches", WIRE_ADVICE)]
     findings = [] if version == wire.WIRE_VERSION else [Finding(
         "warning", check, f"takes {wire.in_words(theirs)}: batches go to it as wire version {version}, without "
-        "what later versions carry (traceparents)", "upgrade that node to this release")]
+        "what later versions carry (message ids, by which it checks that a batch agrees with what it holds)",
+        "upgrade that node to this release")]
 
     answer = describe.ask(client, address, our_instance, route_instance, secret, services, sorted(our_contracts))
     for other in rotated if answer.status_code == 401 else ():  # as the relay signs: with another secret held
@@ -222,7 +231,7 @@ def _peer_findings(client: httpx.Client, address: str, route_instance: str, secr
     except signing.BadSignature as refusal:
         return [Finding("error", check, f"its answer is not signed with our shared secret: {refusal}",
                         "use the same secret in the routes on both nodes")]
-    findings.append(_clock_finding(check, their_instance,
+    findings.append(_clock_finding(check, their_instance, _release(health),
                                    abs(time.time() - int(answer.headers[signing.TIMESTAMP_HEADER])), max_skew_s))
     try:
         described = describe.Description.model_validate_json(answer.content)

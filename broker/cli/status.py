@@ -5,13 +5,16 @@ from uuid import UUID
 
 from sqlalchemy import Connection
 
-from broker import queries
+from broker import __version__, queries
 
 
-def node_status(connection: Connection, dead_letters: int = 20) -> dict[str, list[dict[str, Any]]]:
-    """Queues, their activation, conversations by service and state, the transmission queue by destination,
+def node_status(connection: Connection, dead_letters: int = 20) -> dict[str, Any]:
+    """This node's release and schema revision; queues, their activation, conversations by service and state, the
+    transmission queue by destination,
     ingests, the latest dead letters, and what a database that went back lost."""
     return {
+        "version": __version__,
+        "schema_revision": queries.schema_revision(connection),
         "queues": queries.as_dicts(queries.queue_statuses(connection)),
         "activation": queries.as_dicts(queries.activation_statuses(connection)),
         "conversations": queries.as_dicts(queries.conversation_counts(connection)),

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from uuid import uuid4
 
 import psutil
@@ -28,6 +29,13 @@ def test_every_command_has_help(command):
     result = _run(*command, "--help")
     assert result.returncode == 0
     assert "Usage" in result.stdout
+
+
+def test_the_version_is_this_releases_and_the_changelog_says_what_it_changed():
+    result = _run("--version")
+    assert (result.returncode, result.stdout) == (0, f"pg-broker {broker.__version__}\n")
+    changelog = (Path(__file__).parents[2] / "CHANGELOG.md").read_text()
+    assert f"## [{broker.__version__}]" in changelog
 
 
 @pytest.mark.slow

@@ -71,6 +71,7 @@ def test_the_console_shows_queues_conversations_the_transmission_queue_and_dead_
         page.fill("#key", admin)
         page.click("button[type=submit]")
         expect(page.locator("#queues")).to_contain_text("warehouse_queue")
+        expect(page.locator("#version")).to_have_text(broker.__version__)
         expect(page.locator("#transmission")).to_contain_text("http://127.0.0.1:9")
         expect(page.locator("#transmission")).to_contain_text("waiting for its first transmission")
         expect(page.locator("#dead")).to_contain_text("no such sku")

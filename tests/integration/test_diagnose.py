@@ -59,7 +59,9 @@ def test_a_healthy_pair_of_nodes_has_nothing_to_report(nodes):
         assert code == 0, findings
         assert {finding["level"] for finding in findings} == {"ok"}
         checks = {finding["check"]: finding["finding"] for finding in findings}
-        assert f"answers as instance {peer.instance}, signs both ways" in checks[f"node {peer.address}"]
+        assert f"answers as instance {peer.instance} (pg-broker {broker.__version__}), signs both ways" \
+            in checks[f"node {peer.address}"]
+        assert checks["schema"].endswith(f"for pg-broker {broker.__version__}")
         assert checks[f"service {service}"] == f"on {peer.address}, accepts orders"
         assert [(f["level"], f["check"]) for f in _diagnose_over_rest(node)] == [(f["level"], f["check"])
                                                                                for f in findings]

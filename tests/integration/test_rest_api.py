@@ -457,7 +457,8 @@ def test_a_key_revoked_while_in_use_stops_working_within_its_bound(api, engine):
 
 def test_readiness_follows_the_database_and_the_schema(api, engine):
     with api.client() as anyone:
-        assert anyone.get("/healthz").status_code == 200
+        health = anyone.get("/healthz")
+        assert health.status_code == 200 and health.json()["version"] == broker.__version__
         assert anyone.get("/readyz").json() == {"status": "ready", "schema_revision": migrate.head_revision()}
         with engine.begin() as connection:
             connection.execute(text("UPDATE public.broker_alembic_version SET version_num = '0001'"))
