@@ -16,7 +16,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.requests import Request
 
-from api.problems import CLOSE, database_unavailable, problem
+from broker.api.problems import CLOSE, database_unavailable, problem
 from broker import api_keys, queries
 from broker.transport import signing, wire
 

@@ -1,5 +1,5 @@
 """The node's record of what API keys did to its queues and conversations: one INFO line an action, on the
-logger "api.audit", whoever the client (the console, a script, the CLI over REST).
+logger "broker.api.audit", whoever the client (the console, a script, the CLI over REST).
 
 A line names the key (its name and id, never its secret), the action, what it acted on and how it ended:
 what it did, or why it was refused.  A request refused before the route runs (no valid key, a request off the
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from api.problems import BY_ERROR_CLASS, Problem
+from broker.api.problems import BY_ERROR_CLASS, Problem
 from broker.api_keys import ApiKey
 from broker.errors import BrokerError
 

@@ -5,7 +5,7 @@ the route and names the scheme in the OpenAPI document."""
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.problems import Problem
+from broker.api.problems import Problem
 from broker.api_keys import ApiKey
 
 bearer = HTTPBearer(auto_error=False, description="An API key from `broker keys create`")

@@ -3,7 +3,7 @@ import base64
 import json
 from typing import Any
 
-from api.problems import Problem
+from broker.api.problems import Problem
 
 
 def encode(body: Any, body_base64: str | None) -> bytes | None:

@@ -14,9 +14,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy import Engine
 
-from api.auth import api_key, require
+from broker.api.auth import api_key, require
 from broker.api_keys import ApiKey
-from broker.cli.settings import Settings
+from broker.settings import Settings
 
 Key = Annotated[ApiKey, Depends(api_key)]
 

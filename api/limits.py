@@ -11,8 +11,8 @@ from itertools import accumulate
 
 import anyio
 
-from api.admission import needs_key
-from api.problems import CLOSE, problem
+from broker.api.admission import needs_key
+from broker.api.problems import CLOSE, problem
 
 log = logging.getLogger(__name__)
 # What a JSON request may hold: as deep as most parsers take (System.Text.Json's default), and values enough

@@ -13,14 +13,14 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from api.admission import Admission, needs_key
-from api.arrivals import Arrivals
-from api.limits import RequestLimits
-from api.problems import (InternalErrors, Problem, ProblemDetails, database_unavailable, from_broker_error,
+from broker.api.admission import Admission, needs_key
+from broker.api.arrivals import Arrivals
+from broker.api.limits import RequestLimits
+from broker.api.problems import (InternalErrors, Problem, ProblemDetails, database_unavailable, from_broker_error,
                           from_problem, internal_error, problem)
-from api.routes import catalog, console, conversations, health, queues, transport
+from broker.api.routes import catalog, console, conversations, health, queues, transport
 from broker import migrate, queries, schema
-from broker.cli.settings import Settings
+from broker.settings import Settings
 from broker.errors import BrokerError
 from broker.metrics import DatabaseCollector
 

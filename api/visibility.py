@@ -5,7 +5,7 @@ from uuid import UUID
 
 from sqlalchemy import Connection, Row
 
-from api.problems import Problem
+from broker.api.problems import Problem
 from broker import queries
 from broker.api_keys import ApiKey
 

@@ -14,9 +14,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from sqlalchemy import text
 
-from api import connections
-from api.main import api_engine
-from broker.cli.settings import Settings
+from broker.api import connections
+from broker.api.main import api_engine
+from broker.settings import Settings
 
 CREATE_TABLE = text("CREATE TABLE IF NOT EXISTS bench_bare_messages"
                     " (message_id bigserial PRIMARY KEY, body bytea, enqueued_at timestamptz NOT NULL DEFAULT now())")

@@ -13,8 +13,8 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, text
 
 from bench.results import Measurement, ScenarioResult, ratio_met
-from spark_ingest.jdbc import jdbc_connection, spark_session
-from spark_ingest.job import ingest
+from broker.spark_ingest.jdbc import jdbc_connection, spark_session
+from broker.spark_ingest.job import ingest
 
 QUEUE = "bench_ingest_queue"
 

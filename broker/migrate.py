@@ -59,7 +59,7 @@ def alembic_config(database_url: str) -> Config:
     """The configuration alembic.ini gives the `alembic` command in a checkout, built here so that an
     installed wheel, which has the migrations package but no alembic.ini, needs no file."""
     config = Config()
-    config.set_main_option("script_location", str(resources.files("migrations")))
+    config.set_main_option("script_location", str(resources.files("broker.migrations")))
     config.set_main_option("path_separator", "os")
     config.attributes["database_url"] = database_url
     return config

@@ -9,13 +9,16 @@ from sqlalchemy import create_engine, pool
 
 from broker import schema
 from broker.migrate import VERSION_TABLE, refuse_older_than_baseline
-from broker.cli.settings import database_url_for_migrations
+from broker.settings import Settings
 
 config = context.config
 
 
 def run_migrations() -> None:
-    url = config.attributes.get("database_url") or database_url_for_migrations()
+    url = config.attributes.get("database_url") or Settings().database_url
+    if not url:
+        raise SystemExit("alembic: set BROKER_DATABASE_URL to the database to migrate (`broker migrate` migrates the "
+                         "embedded database when none is set)")
     engine = create_engine(url, poolclass=pool.NullPool)
     with engine.connect() as connection:
         with connection.begin():

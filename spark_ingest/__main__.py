@@ -4,11 +4,11 @@ import sys
 from pathlib import Path
 
 from broker.errors import BrokerError
-from broker.cli.settings import Settings
-from spark_ingest.errors import IngestError
-from spark_ingest.jdbc import spark_session
-from spark_ingest.job import ingest
-from spark_ingest.progress import Progress
+from broker.settings import Settings
+from broker.spark_ingest.errors import IngestError
+from broker.spark_ingest.jdbc import spark_session
+from broker.spark_ingest.job import ingest
+from broker.spark_ingest.progress import Progress
 
 
 def _print_progress(progress: Progress) -> None:

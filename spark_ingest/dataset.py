@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from spark_ingest.errors import IngestError
+from broker.spark_ingest.errors import IngestError
 
 RUN_PREFIX = "ingest_run="
 STAGING = "_incoming"

@@ -19,9 +19,9 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
 from broker import queries
-from spark_ingest import checkpoints
-from spark_ingest.dataset import Dataset
-from spark_ingest.job import ingest
+from broker.spark_ingest import checkpoints
+from broker.spark_ingest.dataset import Dataset
+from broker.spark_ingest.job import ingest
 
 log = logging.getLogger(__name__)
 

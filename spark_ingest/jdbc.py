@@ -7,14 +7,14 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from spark_ingest.errors import IngestError
+from broker.spark_ingest.errors import IngestError
 
 DEBIAN_DRIVER_JAR = Path("/usr/share/java/postgresql.jar")
 # What Spark downloads when no jar is found (needs Maven Central).
 DRIVER_PACKAGE = "org.postgresql:postgresql:42.7.4"
 DRIVER_CLASS = "org.postgresql.Driver"
 # Quiet driver logging (warnings only) for runs this module starts.
-LOG_CONFIGURATION = resources.files("spark_ingest").joinpath("log4j2.properties")
+LOG_CONFIGURATION = resources.files("broker.spark_ingest").joinpath("log4j2.properties")
 
 # libpq's URL parameters that pgjdbc knows under another name.
 _JDBC_PARAMETER_NAMES = {"application_name": "ApplicationName", "connect_timeout": "connectTimeout"}

@@ -26,12 +26,12 @@ from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
 from broker.names import NAME_PATTERN
-from spark_ingest import checkpoints
-from spark_ingest.dataset import Dataset, Run
-from spark_ingest.errors import IngestError
-from spark_ingest.jdbc import jdbc_connection
-from spark_ingest.lock import RunLock
-from spark_ingest.progress import Progress, ProgressReporter
+from broker.spark_ingest import checkpoints
+from broker.spark_ingest.dataset import Dataset, Run
+from broker.spark_ingest.errors import IngestError
+from broker.spark_ingest.jdbc import jdbc_connection
+from broker.spark_ingest.lock import RunLock
+from broker.spark_ingest.progress import Progress, ProgressReporter
 
 OUTPUT_COLUMNS = ["queue_name", "queue_position", "conversation_id", "conversation_handle", "conversation_group_id",
                   "message_sequence_number", "service_name", "contract_name", "message_type", "body", "body_text",

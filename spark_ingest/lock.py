@@ -16,8 +16,8 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from broker import queries
-from spark_ingest import checkpoints
-from spark_ingest.errors import IngestError
+from broker.spark_ingest import checkpoints
+from broker.spark_ingest.errors import IngestError
 
 WATCH_INTERVAL_S = 5.0
 

@@ -5,8 +5,8 @@ import httpx
 import uvicorn
 from sqlalchemy import Engine
 
-from api.main import create_app
-from broker.cli.settings import Settings
+from broker.api.main import create_app
+from broker.settings import Settings
 from broker import api_keys
 from tests.nodes import free_port, wait_for
 

@@ -7,10 +7,10 @@ from uuid import UUID
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
-from api.auth import require
-from api.deps import AdminKey, Database, Key
-from api.problems import KEYED, error_responses
-from api.types import known_query_parameters
+from broker.api.auth import require
+from broker.api.deps import AdminKey, Database, Key
+from broker.api.problems import KEYED, error_responses
+from broker.api.types import known_query_parameters
 from broker import queries
 
 router = APIRouter(prefix="/v1", tags=["catalog"], responses=error_responses(*KEYED),

@@ -15,18 +15,18 @@ from fastapi.responses import HTMLResponse
 from prometheus_client import Counter
 from pydantic import BaseModel, Field
 
-from api.auth import require
-from api.deps import AdminKey, Database, Key, NodeSettings
-from api.problems import KEYED, error_responses
-from api.routes.queues import QueueStatus
-from api.types import known_query_parameters
-from broker.cli.diagnose import diagnose
-from broker.cli.status import node_status
+from broker.api.auth import require
+from broker.api.deps import AdminKey, Database, Key, NodeSettings
+from broker.api.problems import KEYED, error_responses
+from broker.api.routes.queues import QueueStatus
+from broker.api.types import known_query_parameters
+from broker.diagnose import diagnose
+from broker.status import node_status
 from broker.metrics import RELAY_ACKNOWLEDGED, RELAY_FAILURES, RELAY_SENT
 from broker.transport.addresses import client_for_peers
 
 router = APIRouter()
-CONSOLE_PAGE = resources.files("api").joinpath("console.html").read_text()
+CONSOLE_PAGE = resources.files("broker.api").joinpath("console.html").read_text()
 
 
 def _inline_source(tag: str) -> str:

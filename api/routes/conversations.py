@@ -9,14 +9,14 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 from sqlalchemy import Connection
 
 import broker
-from api import audit, bodies, visibility
-from api.auth import require
-from api.deps import Database, Key
-from api.problems import KEYED, READS_BODY, error_responses
-from api.types import Name, Number, Text, integer, known_query_parameters
+from broker.api import audit, bodies, visibility
+from broker.api.auth import require
+from broker.api.deps import Database, Key
+from broker.api.problems import KEYED, READS_BODY, error_responses
+from broker.api.types import Name, Number, Text, integer, known_query_parameters
 from broker import queries
 from broker.api_keys import ApiKey
-from broker.cli.status import MESSAGES_LISTED, conversation_life
+from broker.status import MESSAGES_LISTED, conversation_life
 
 router = APIRouter(prefix="/v1/conversations", tags=["conversations"], responses=error_responses(*KEYED),
                    dependencies=[Depends(known_query_parameters)])

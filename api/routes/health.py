@@ -12,8 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import DBAPIError
 
-from api.deps import AdminKey, Database
-from api.problems import KEYED, error_responses, problem
+from broker.api.deps import AdminKey, Database
+from broker.api.problems import KEYED, error_responses, problem
 from broker import __version__, migrate, queries, schema
 from broker.transport import wire
 

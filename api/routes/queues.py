@@ -20,11 +20,11 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import broker
-from api import audit, bodies, visibility
-from api.auth import require
-from api.deps import AdminKey, Database, Key, NodeSettings
-from api.problems import KEYED, READS_BODY, Problem, error_responses
-from api.types import NamePath, Number, Text, integer, known_query_parameters
+from broker.api import audit, bodies, visibility
+from broker.api.auth import require
+from broker.api.deps import AdminKey, Database, Key, NodeSettings
+from broker.api.problems import KEYED, READS_BODY, Problem, error_responses
+from broker.api.types import NamePath, Number, Text, integer, known_query_parameters
 from broker import queries
 from broker.metrics import API_ABANDONED, API_COMPLETED, API_RECEIVED
 

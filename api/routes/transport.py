@@ -14,8 +14,8 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
-from api.admission import bad_signature, peer_instance
-from api.problems import database_unavailable, problem
+from broker.api.admission import bad_signature, peer_instance
+from broker.api.problems import database_unavailable, problem
 from broker.transport import describe, receiving, signing, wire
 
 router = APIRouter()

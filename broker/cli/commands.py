@@ -19,7 +19,7 @@ from sqlalchemy import Engine, create_engine
 from broker import migrate as migrations
 from broker.cli.embedded import EmbeddedPostgres
 from broker.masking import mask_passwords, visible
-from broker.cli.settings import Settings
+from broker.settings import Settings
 
 app = typer.Typer(help="Exactly-once-in-order messaging between PostgreSQL databases.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
@@ -60,7 +60,7 @@ def _log_to_stderr() -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("api.audit").setLevel(logging.INFO)
+    logging.getLogger("broker.api.audit").setLevel(logging.INFO)
 
 
 def _print_version(shown: bool) -> None:
@@ -177,8 +177,8 @@ def serve(
 
     import uvicorn
 
-    from api import connections
-    from api.main import create_app
+    from broker.api import connections
+    from broker.api.main import create_app
     from broker.activator import Activator
 
     if (tls_cert is None) != (tls_key is None):
@@ -439,7 +439,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="print JSON instea
 
     from rich.table import Table
 
-    from broker.cli.status import age, conversation_life, json_default, node_status
+    from broker.status import age, conversation_life, json_default, node_status
 
     with database_engine() as engine, engine.connect() as connection:
         report = node_status(connection) if conversation is None else conversation_life(connection, conversation)
@@ -542,7 +542,7 @@ def diagnose(as_json: bool = typer.Option(False, "--json", help="print JSON inst
 
     from rich.table import Table
 
-    from broker.cli.diagnose import counted, diagnose as run_checks
+    from broker.diagnose import counted, diagnose as run_checks
     from broker.transport.addresses import client_for_peers
 
     settings = Settings()
@@ -590,16 +590,16 @@ def ingest(
     if interval is not None and not follow:
         raise typer.BadParameter("--interval goes with --follow", param_hint="--interval")
     require_extra("ingest", "spark", "pyspark")
-    from spark_ingest.jdbc import spark_session
+    from broker.spark_ingest.jdbc import spark_session
 
     settings = Settings()
     if follow:
         import logging
 
-        from spark_ingest.follow import StopSignals, follow as follow_queue
+        from broker.spark_ingest.follow import StopSignals, follow as follow_queue
 
         _log_to_stderr()
-        logging.getLogger("spark_ingest.follow").setLevel(logging.INFO)  # one line per run
+        logging.getLogger("broker.spark_ingest.follow").setLevel(logging.INFO)  # one line per run
         with database(settings) as (url, _), _ingest_failures():
             spark = spark_session(master, settings.jdbc_driver)
             with StopSignals() as stop:  # after Spark's start, which sets a SIGINT handler of its own
@@ -609,7 +609,7 @@ def ingest(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from spark_ingest.job import ingest as ingest_queue
+    from broker.spark_ingest.job import ingest as ingest_queue
 
     with database(settings) as (url, _), Progress(
             TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[rows]}"), TimeElapsedColumn(),
@@ -630,7 +630,7 @@ def ingest(
 def _ingest_failures() -> Iterator[None]:
     """A run that cannot start or commit: its reason in one line, and exit status 1."""
     from broker.errors import BrokerError
-    from spark_ingest.errors import IngestError
+    from broker.spark_ingest.errors import IngestError
 
     try:
         yield
@@ -638,6 +638,17 @@ def _ingest_failures() -> Iterator[None]:
         stderr.print(Text(f"ingest failed: {mask_passwords(visible(str(error)))}", style="red"), highlight=False,
                      soft_wrap=True)
         raise typer.Exit(1) from error
+
+
+def _find_the_benchmark() -> None:
+    """The benchmark is the project's, not installed with it: it runs from the checkout this broker is installed
+    from (pip install -e), whose bench/ lies beside broker/."""
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / "bench" / "__init__.py").is_file():
+        raise MissingExtra("broker bench runs from a checkout of pg-broker: clone its repository, "
+                           "pip install -e '.[bench]' there, and run broker bench")
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
 
 
 @app.command()
@@ -661,6 +672,7 @@ def bench(
     otherwise an embedded PostgreSQL is started in a temporary folder.
     """
     require_extra("bench", "bench", "pyspark", "psutil", "pika", "matplotlib")
+    _find_the_benchmark()
     from bench.results import markdown_table
     from bench.runner import run_bench
 

@@ -129,8 +129,8 @@ def _send_orders(a: DemoNode, b: DemoNode, conversations: int, messages: int, lo
 
 
 def _ingest(nodes: list[DemoNode], lake: Path, console: Console) -> dict[str, int]:
-    from spark_ingest.jdbc import spark_session
-    from spark_ingest.job import ingest
+    from broker.spark_ingest.jdbc import spark_session
+    from broker.spark_ingest.job import ingest
 
     console.print("Spark ingests both warehouse queues (local[2])…")
     spark = spark_session("local[2]")

@@ -227,7 +227,7 @@ def test_an_operator_browses_resubmits_purges_and_ends_a_conversation_from_the_c
     finally:
         node.stop()
     log = node.log.read_text()
-    who = f"INFO api.audit: key 'ops' ({admin.split('_')[1]})"
+    who = f"INFO broker.api.audit: key 'ops' ({admin.split('_')[1]})"
     for line in (f"{who} browse queue 'warehouse_queue': waiting messages shown: 6",
                  f"{who} end with error 42 conversation {stuck}: ended, now closed",
                  f"{who} end with error 42 conversation {stuck}: refused, 409 conversation-state (BR020)",

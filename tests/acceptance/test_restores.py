@@ -13,7 +13,7 @@ from sqlalchemy import create_engine
 import broker
 from broker import migrate
 from broker.cli.processes import start_broker, stop
-from spark_ingest import checkpoints
+from broker.spark_ingest import checkpoints
 from tests import factories
 from tests.clusters import Cluster
 from tests.conftest import _fresh_database, admin_execute

@@ -53,10 +53,15 @@ def _run(installed, *command, env=None):
 
 @pytest.mark.slow
 def test_the_installed_package_is_its_own_and_lean(installed):
-    located = _run(installed, "python", "-c", "import api, bench, broker, migrations, spark_ingest; "
-                   "print('\\n'.join(m.__file__ for m in (api, bench, broker, migrations, spark_ingest)))")
+    located = _run(installed, "python", "-c", "import broker, broker.api, broker.migrations, broker.spark_ingest; "
+                   "print('\\n'.join(m.__file__ for m in (broker, broker.api, broker.migrations, broker.spark_ingest)))")
     assert located.returncode == 0, located.stderr
-    assert all("/site-packages/" in line and str(ROOT) not in line for line in located.stdout.split())
+    assert all("/site-packages/broker/" in line and str(ROOT) not in line for line in located.stdout.split())
+    top_level = _run(installed, "python", "-c", "import importlib.metadata as m; "
+                     "print(m.distribution('pg-broker').read_text('top_level.txt'))")
+    assert top_level.stdout.split() == ["broker"]
+    for other in ("api", "migrations", "spark_ingest", "bench"):
+        assert _run(installed, "python", "-c", f"import {other}").returncode == 1, f"{other} is installed"
     packages = _run(installed, "pip", "list", "--disable-pip-version-check", "--format", "freeze").stdout
     assert not OPTIONAL & {line.split("==")[0].lower() for line in packages.split()}
 
@@ -106,6 +111,72 @@ def test_migrate_serve_console_and_a_message_over_rest(installed, empty_database
         server.terminate()
         server.wait(timeout=30)
     assert server.returncode in (0, 143), (tmp_path / "serve.log").read_text()[-2000:]
+
+
+# An application of its own beside the broker: its api package, and its Alembic migrations with its alembic.ini.
+APPLICATION = {
+    "api/__init__.py": "NAME = \"the application's api\"\n",
+    "alembic.ini": "[alembic]\nscript_location = migrations\n",
+    "migrations/env.py": """import os
+from alembic import context
+from sqlalchemy import create_engine
+
+with create_engine(os.environ["APPLICATION_DATABASE_URL"]).connect() as connection:
+    context.configure(connection=connection)
+    with context.begin_transaction():
+        context.run_migrations()
+""",
+    "migrations/script.py.mako": "",
+    "migrations/versions/0001_orders.py": """from alembic import op
+
+revision = "0001"
+down_revision = None
+
+
+def upgrade():
+    op.execute("CREATE TABLE application_orders (id serial PRIMARY KEY)")
+""",
+}
+
+
+@pytest.mark.slow
+def test_an_application_with_its_own_api_and_migrations_installs_the_broker_beside_them(installed,
+                                                                                        empty_database_url):
+    """Its `alembic upgrade head` and `import api` are its own; `broker migrate` and `broker serve` are the
+    broker's, on the same database, each keeping its own Alembic history."""
+    bin_dir, folder, base = installed
+    application = folder / "application"
+    for name, text in APPLICATION.items():
+        (application / name).parent.mkdir(parents=True, exist_ok=True)
+        (application / name).write_text(text)
+    env = {**base, "APPLICATION_DATABASE_URL": empty_database_url, "BROKER_DATABASE_URL": empty_database_url}
+
+    def run(*command):
+        return subprocess.run([bin_dir / command[0], *command[1:]], cwd=application, env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    assert run("python", "-c", "import api; print(api.NAME)").stdout == "the application's api\n"
+    migrated = run("alembic", "upgrade", "head")
+    assert migrated.returncode == 0, migrated.stderr
+    migrated = run("broker", "migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    engine = create_engine(empty_database_url)
+    with engine.connect() as connection:
+        versions = connection.exec_driver_sql("SELECT (SELECT version_num FROM alembic_version),"
+                                              " (SELECT version_num FROM broker_alembic_version)").one()
+        assert tuple(versions) == ("0001", migrate.head_revision())
+    engine.dispose()
+    address = f"http://127.0.0.1:{free_port()}"
+    with (folder / "application-serve.log").open("ab") as log:
+        server = subprocess.Popen([bin_dir / "broker", "serve", "--port", address.rsplit(":", 1)[1]], cwd=application,
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: server.poll() is not None or answers(address), 60, "broker serve to answer /healthz")
+        assert server.poll() is None, (folder / "application-serve.log").read_text()[-2000:]
+        assert httpx.get(f"{address}/readyz", timeout=10).json()["status"] == "ready"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from uuid import uuid4
 import httpx
 
 import broker
-from broker.cli.status import MESSAGES_LISTED, conversation_life
+from broker.status import MESSAGES_LISTED, conversation_life
 from tests.nodes import wait_for
 from tests.rest import new_key
 

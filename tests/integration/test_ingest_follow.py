@@ -101,7 +101,7 @@ def test_follow_ingests_what_commits_while_it_runs_and_shows_its_lag(spark, engi
         if follow.poll() is None:
             os.killpg(follow.pid, signal.SIGKILL)
 
-    rounds = re.findall(r" INFO spark_ingest\.follow: round \d+: ingested queue warehouse_queue into file:\S+: "
+    rounds = re.findall(r" INFO broker\.spark_ingest\.follow: round \d+: ingested queue warehouse_queue into file:\S+: "
                         r"([\d,]+) rows .*; lag ([\d,]+) messages, oldest [\d.]+ s\n", log.read_text())
     # A round per wake-up with messages waiting, and none for the wake-ups of the interval with nothing new.
     assert len(rounds) >= 5 and all(rows != "0" for rows, _ in rounds), log.read_text()

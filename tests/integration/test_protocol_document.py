@@ -12,7 +12,7 @@ import httpx
 from sqlalchemy import create_engine, text
 
 import broker
-from broker.cli.settings import Settings
+from broker.settings import Settings
 from broker.transport import signing, wire
 from tests.nodes import Node, define_node
 

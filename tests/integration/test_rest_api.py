@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import text
 
 import broker
-from api import admission
+from broker.api import admission
 from broker import migrate, queries
 from tests import factories
 from tests.nodes import wait_for

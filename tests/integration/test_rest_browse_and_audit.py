@@ -1,4 +1,4 @@
-"""Browsing a queue's waiting messages over REST, and the node's record of what keys did (api.audit)."""
+"""Browsing a queue's waiting messages over REST, and the node's record of what keys did (broker.api.audit)."""
 import base64
 import json
 import logging
@@ -27,8 +27,8 @@ def admin_key(engine):
 
 @pytest.fixture
 def audit(caplog):
-    caplog.set_level(logging.INFO, logger="api.audit")
-    return lambda: [record.getMessage() for record in caplog.records if record.name == "api.audit"]
+    caplog.set_level(logging.INFO, logger="broker.api.audit")
+    return lambda: [record.getMessage() for record in caplog.records if record.name == "broker.api.audit"]
 
 
 def _send(engine, *messages):

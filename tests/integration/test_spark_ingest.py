@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import text
 
 import broker
-from spark_ingest.errors import IngestError
-from spark_ingest.jdbc import spark_session
-from spark_ingest.job import OUTPUT_COLUMNS, ingest
+from broker.spark_ingest.errors import IngestError
+from broker.spark_ingest.jdbc import spark_session
+from broker.spark_ingest.job import OUTPUT_COLUMNS, ingest
 from tests.factories import WAREHOUSE_QUEUE, begin
 
 pytestmark = pytest.mark.slow
@@ -212,7 +212,7 @@ def _blocked_at_the_checkpoint(engine) -> bool:
 
 def test_runs_killed_at_any_instant_leave_every_message_exactly_once(spark, engine, orders, tmp_path):
     url, lake, log = engine.url.render_as_string(hide_password=False), tmp_path / "lake", tmp_path / "runs.log"
-    module = [sys.executable, "-m", "spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]
+    module = [sys.executable, "-m", "broker.spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]
     command_line = [str(BIN / "broker"), "ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]
     spark_submit = [str(BIN / "spark-submit"), "--master", "local[2]", "--jars", "/usr/share/java/postgresql.jar",
                     str(Path(__file__).parents[2] / "spark_ingest" / "__main__.py"), "--output", str(lake),
@@ -262,7 +262,7 @@ def test_consume_deletes_the_rows_only_when_the_checkpoint_commits(spark, engine
     send_conversations(engine, 40, 5, "b")
     second_batch = queue_content(engine)
     holder = _checkpoint_row_locked(engine)
-    run = _start([sys.executable, "-m", "spark_ingest", "--consume", "--output", str(lake),
+    run = _start([sys.executable, "-m", "broker.spark_ingest", "--consume", "--output", str(lake),
                   "--queue", WAREHOUSE_QUEUE], url, log)
     _kill_when(run, lambda: _blocked_at_the_checkpoint(engine), "the checkpoint")
     assert len(_committed_runs(lake)) == 2
@@ -311,7 +311,7 @@ def _checkpoint(engine) -> tuple:
 
 def test_a_run_that_loses_its_lock_commits_nothing_and_the_next_run_is_not_doubled(spark, engine, orders, tmp_path):
     url, lake = engine.url.render_as_string(hide_password=False), tmp_path / "lake"
-    module = [sys.executable, "-m", "spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]
+    module = [sys.executable, "-m", "broker.spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]
     send_conversations(engine, 600, 5, "a")
 
     # The first run is paused mid-write (as a long GC pause or a stopped VM would) and its lock's session ends.
@@ -360,7 +360,7 @@ def test_a_run_that_loses_its_lock_at_the_checkpoint_leaves_its_output_to_the_ne
         c.execute(text("SELECT broker.start_ingest(:queue, :output)"),
                   {"queue": WAREHOUSE_QUEUE, "output": f"file:{lake}"})
     holder = _checkpoint_row_locked(engine)
-    run = _start([sys.executable, "-m", "spark_ingest", "--consume", "--output", str(lake), "--queue",
+    run = _start([sys.executable, "-m", "broker.spark_ingest", "--consume", "--output", str(lake), "--queue",
                   WAREHOUSE_QUEUE], url, log)
     try:
         _wait_until(run, lambda: _blocked_at_the_checkpoint(engine), "the checkpoint")
@@ -387,7 +387,7 @@ def test_a_run_that_loses_its_lock_at_the_checkpoint_leaves_its_output_to_the_ne
 def test_a_run_never_renames_over_positions_that_a_run_in_the_dataset_covers(spark, engine, orders, tmp_path):
     url, lake, log = engine.url.render_as_string(hide_password=False), tmp_path / "lake", tmp_path / "run.log"
     send_conversations(engine, 600, 5)
-    run = _start([sys.executable, "-m", "spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE,
+    run = _start([sys.executable, "-m", "broker.spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE,
                   "--partitions", "24", "--fetch-size", "10"], url, log)
     try:
         _wait_until(run, lambda: _files_under(lake / "_incoming", "*.parquet"), "writing")
@@ -408,7 +408,7 @@ def test_a_write_longer_than_the_idle_session_timeout_keeps_its_lock(spark, engi
     url = engine.url.update_query_dict({"options": "-c idle_session_timeout=1000"})
     lake = tmp_path / "lake"
     send_conversations(engine, 600, 5)
-    run = _start([sys.executable, "-m", "spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE,
+    run = _start([sys.executable, "-m", "broker.spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE,
                   "--partitions", "24", "--fetch-size", "10"], url.render_as_string(hide_password=False),
                  tmp_path / "run.log")
     try:
@@ -458,7 +458,7 @@ def test_consume_deletes_only_rows_whose_files_and_directories_are_on_disk(spark
     trace = tmp_path / "strace.log"
     strace = ["strace", "-f", "--seccomp-bpf", "-qq", "-y", "-s", "1000", "-e", "signal=none",
               "-e", "trace=fsync,fdatasync,syncfs,sync,rename,renameat,renameat2,sendto", "-o", str(trace)]
-    last = _run([*strace, sys.executable, "-m", "spark_ingest", "--consume", "--partitions", "4", "--output",
+    last = _run([*strace, sys.executable, "-m", "broker.spark_ingest", "--consume", "--partitions", "4", "--output",
                  str(lake), "--queue", WAREHOUSE_QUEUE], url, tmp_path / "run.log")
     assert "500 rows consumed" in last and queue_content(engine) == []
 

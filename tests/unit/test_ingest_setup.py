@@ -1,8 +1,8 @@
 """How the Spark ingest finds its JDBC driver and reaches the database (no Spark needed)."""
 import pytest
 
-from spark_ingest import jdbc
-from spark_ingest.errors import IngestError
+from broker.spark_ingest import jdbc
+from broker.spark_ingest.errors import IngestError
 
 
 def test_a_database_url_becomes_a_jdbc_url_and_properties():

@@ -17,7 +17,7 @@ from sqlalchemy import Connection
 
 from broker import __version__, queries, relay
 from broker.masking import visible
-from broker.cli.status import lost_messages_explained
+from broker.status import lost_messages_explained
 from broker.transport import describe, signing, wire
 from broker.transport.sending import wire_versions_named
 

@@ -47,14 +47,3 @@ class Settings(BaseSettings):
         """tls_ca_file as httpx and the relay take it: None for the system's CAs."""
         return str(self.tls_ca_file) if self.tls_ca_file else None
 
-
-def database_url_for_migrations() -> str:
-    """The configured URL, or that of an embedded server started for this process."""
-    settings = Settings()
-    if settings.database_url:
-        return settings.database_url
-    from broker.cli.embedded import EmbeddedPostgres
-
-    server = EmbeddedPostgres(settings.data_dir)
-    server.start(stop_at_exit=True)
-    return server.url()
