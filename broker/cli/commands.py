@@ -56,7 +56,7 @@ def require_extra(command: str, extra: str, *modules: str) -> None:
 
 def _log_to_stderr() -> None:
     """For the long-running commands: warnings and errors with their time, level and origin, and the node's
-    record of what API keys did to its queues and conversations (api.audit, at INFO)."""
+    record of what API keys did to its queues and conversations (broker.api.audit, at INFO)."""
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
