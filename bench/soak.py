@@ -15,7 +15,9 @@ from bench.results import Measurement, ScenarioResult
 DEAD_TUPLES = ("SELECT coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables"
                " WHERE schemaname = 'broker' AND relname IN ('queue_messages', 'transmission_queue')")
 RECEIVE = "SELECT count(*) FROM broker.receive('bench_dst', 100)"
+# A sample every 5 s, or twelve over a shorter run.
 SAMPLE_EVERY_S = 5.0
+SAMPLES_AT_LEAST = 12
 
 
 def _dead_tuples(*urls: str) -> int:
@@ -44,7 +46,8 @@ def run(nodes: TwoNodes, minutes: float, rate: int, report: Callable[[str], None
     held = psycopg2.connect(nodes.b_url)  # the long transaction: a snapshot held on B
     duration_s = minutes * 60
     started = time.monotonic()
-    samples, sent, next_sample, holding = [], 0, started + SAMPLE_EVERY_S, False
+    sample_every_s = min(SAMPLE_EVERY_S, duration_s / SAMPLES_AT_LEAST)
+    samples, sent, next_sample, holding = [], 0, started + sample_every_s, False
     try:
         while (now := time.monotonic()) - started < duration_s:
             if not holding and now - started >= duration_s / 3 and now - started < 2 * duration_s / 3:
@@ -66,7 +69,7 @@ def run(nodes: TwoNodes, minutes: float, rate: int, report: Callable[[str], None
                 samples.append({"t_s": round(now - started, 1), "delivered": delivered, "holding": holding,
                                 "dead_tuples": _dead_tuples(nodes.a_url, nodes.b_url),
                                 "relay_rss_mb": round(rss["relay"], 1), "api_rss_mb": round(rss["api"], 1)})
-                next_sample += SAMPLE_EVERY_S
+                next_sample += sample_every_s
                 report(f"soak: {samples[-1]['t_s']:.0f} s, {delivered:,} delivered, "
                        f"{samples[-1]['dead_tuples']:,} dead tuples{' (transaction held open)' if holding else ''}, "
                        f"relay {rss['relay']:.0f} MB, API {rss['api']:.0f} MB")

@@ -53,9 +53,6 @@ DESTINATIONS_REFRESH_S = 1.0
 # messages that waited longer than their peer remembers are withheld.
 FORGET_EVERY_S = 60.0
 
-# A destination is asked this often whether it still holds the last number it acknowledged of a conversation the
-# lane sent to lately (broker.probe_conversation): a database that went back is found with nothing more to send.
-PROBE_EVERY_S = 60.0
 
 # A message that a destination refuses as too large on its own is tried again this often (its limit may be raised).
 OVERSIZED_RETRY_S = 60.0
@@ -93,8 +90,13 @@ def lane_digits(lane: int, lanes: int) -> set[str]:
 
 class Relay:
     def __init__(self, database_url: str, *, batch_messages: int = 1000, batch_bytes: int = 8 * 1024 * 1024,
-                 timeout_s: float = 30.0, tls_ca_file: str | None = None, lanes: int = LANES):
+                 timeout_s: float = 30.0, tls_ca_file: str | None = None, lanes: int = LANES,
+                 probe_interval_s: float = 60.0):
+        """probe_interval_s: how often a destination is asked whether it still holds the last number it
+        acknowledged of a conversation a lane sent to lately (broker.probe_conversation), so that a database
+        that went back is found with nothing more to send to it."""
         self.database_url = database_url
+        self.probe_interval_s = probe_interval_s
         self.engine = create_engine(database_url, pool_size=lanes, pool_pre_ping=True)
         self.lanes = [Lane(self, lane, lanes, CheckedConnections(), timeout_s, tls_ca_file or True)
                       for lane in range(lanes)]
@@ -260,13 +262,13 @@ class Lane:
         return idle_s
 
     def _probe(self, address: str) -> None:
-        """Every PROBE_EVERY_S, asks the destination again for the last number it acknowledged of a conversation
+        """Every probe interval, asks the destination again for the last number it acknowledged of a conversation
         side of its last answered batch; the batches that follow carry the question."""
         side, due_at = self.probes.get(address, (None, 0.0))
         if side is not None and time.monotonic() >= due_at:
             self.connection.execute(queries.PROBE_CONVERSATION, {"conversation": side[0], "by_initiator": side[1]})
             self.connection.commit()
-            self.probes[address] = (side, time.monotonic() + PROBE_EVERY_S)
+            self.probes[address] = (side, time.monotonic() + self.relay.probe_interval_s)
 
     def _continue_queue_positions(self) -> None:
         """Makes new queue positions come after every earlier one in a database restored into a cluster whose
@@ -372,7 +374,7 @@ class Lane:
             raise TransportFailure(f"the answer from {destination.address} is malformed: "
                                    f"{str(error.orig).strip().splitlines()[0]}") from error
         if delivered:
-            _, due_at = self.probes.get(destination.address, (None, time.monotonic() + PROBE_EVERY_S))
+            _, due_at = self.probes.get(destination.address, (None, time.monotonic() + self.relay.probe_interval_s))
             self.probes[destination.address] = (next(reversed(sides)), due_at)
         return delivered
 

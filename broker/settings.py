@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     max_batch_bytes: int = Field(64 * 1024 * 1024, gt=0)
     relay_batch_messages: int = Field(1000, gt=0)
     relay_batch_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    # Transport: how often the relay sends a destination again the last number it acknowledged of a conversation
+    # it sent to lately, to ask whether it still holds it (a database that went back is found within this long).
+    relay_probe_interval_s: float = Field(60.0, gt=0, le=86400)
     # Transport: how far a peer's clock may be from this node's before its requests are refused (replays of a
     # request are harmless within it: duplicates are discarded).  The same on both nodes, like the secret.
     max_clock_skew_s: float = Field(signing.DEFAULT_MAX_CLOCK_SKEW_S, gt=0, le=86400)

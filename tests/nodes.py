@@ -45,6 +45,11 @@ class Node:
             self.instance = c.execute(text("SELECT broker_instance FROM broker.node")).scalar_one()
 
     def start(self):
+        self.launch()
+        self.wait_until_up()
+
+    def launch(self):
+        """Starts the process, without waiting for it to answer."""
         env = {**os.environ, **self.env, "BROKER_DATABASE_URL": self.database_url}
         python = self.release.python if self.release else sys.executable
         command = [str(python), "-m", "broker.cli", "serve", "--port", str(self.port), "--no-migrate"]
@@ -55,6 +60,8 @@ class Node:
         with open(self.log, "a") as log:
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             cwd=self.release.home if self.release else None)
+
+    def wait_until_up(self):
         wait_for(self._healthy, 30, f"node {self.name} to answer /healthz")
 
     def _healthy(self):
@@ -66,9 +73,14 @@ class Node:
             return False
 
     def stop(self):
+        self.terminate()
+        if self.process:
+            self.process.wait(timeout=20)
+
+    def terminate(self):
+        """Asks the process to stop, without waiting for it to."""
         if self.process and self.process.poll() is None:
             self.process.terminate()
-            self.process.wait(timeout=20)
 
     def kill(self):
         """SIGKILL: the process gets no chance to finish anything."""
@@ -109,11 +121,15 @@ def serve_pair(a, b):
         broker.create_route(c, "warehouse", b.address, b.instance, SECRET)
     with b.engine.begin() as c:
         broker.create_route(c, "shop", a.address, a.instance, SECRET)
-    a.start()
-    b.start()
+    for node in (a, b):  # the two start side by side
+        node.launch()
+    for node in (a, b):
+        node.wait_until_up()
 
 
 def stop_all(*nodes):
+    for node in nodes:
+        node.terminate()
     for node in nodes:
         node.stop()
         node.engine.dispose()

@@ -230,7 +230,7 @@ def _relay(url: str, settings: Settings):
     from broker.relay import Relay
 
     return Relay(url, batch_messages=settings.relay_batch_messages, batch_bytes=settings.relay_batch_bytes,
-                 tls_ca_file=settings.tls_ca())
+                 tls_ca_file=settings.tls_ca(), probe_interval_s=settings.relay_probe_interval_s)
 
 
 @app.command()
@@ -656,7 +656,7 @@ def bench(
     output: Path = typer.Option(Path("bench-results"), help="folder for results.json, results.md and the charts"),
     quick: bool = typer.Option(False, help="a smoke run with less traffic (under two minutes)"),
     repetitions: int = typer.Option(3, min=1, max=50, help="measurements of each scenario and baseline"),
-    soak: float = typer.Option(None, min=1, max=24 * 60, metavar="MINUTES",
+    soak: float = typer.Option(None, min=0.25, max=24 * 60, metavar="MINUTES",
                                help="instead: steady cross-node traffic for MINUTES with a long transaction held "
                                     "open through the middle third; throughput, dead tuples and memory over time"),
     pgmq_sql: Path = typer.Option(None, "--pgmq-sql", envvar="BROKER_BENCH_PGMQ_SQL", exists=True, dir_okay=False,

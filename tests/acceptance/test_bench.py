@@ -69,7 +69,7 @@ def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(admi
 
 @pytest.mark.slow
 def test_soak_reports_throughput_dead_tuples_and_memory_over_time(admin_url, tmp_path):
-    result = _bench(admin_url, tmp_path, "--soak", "1")
+    result = _bench(admin_url, tmp_path, "--soak", "0.25")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (soak,) = json.loads((tmp_path / "results.json").read_text())["scenarios"]
     samples = soak["series"]["soak"]

@@ -193,9 +193,13 @@ def test_a_receiver_that_went_back_gets_again_what_it_lost_and_its_replies_are_n
 
 def test_a_receiver_that_went_back_gets_again_what_it_lost_though_nothing_more_is_sent_to_it(pair, tmp_path):
     """What b lost of conversations that a sends nothing more on (one waiting for b's answer, one a ended) is found
-    by the relay's probe of the last number b acknowledged (broker.probe_conversation, every relay.PROBE_EVERY_S),
-    which shows that b went back: then every conversation with b is probed, and each gets again what b lost."""
+    by the relay's probe of the last number b acknowledged (broker.probe_conversation, every
+    BROKER_RELAY_PROBE_INTERVAL_S, here 5 s), which shows that b went back: then every conversation with b is
+    probed, and each gets again what b lost."""
     a, b, cluster = pair
+    a.stop()
+    a.env["BROKER_RELAY_PROBE_INTERVAL_S"] = "5"
+    a.start()
     going = Going("base backup", cluster, tmp_path)
     [waiting_for_b] = conversations_begun(a, 1)
     send(a, [waiting_for_b], 1, "before")
