@@ -1,4 +1,4 @@
-"""docs/protocol.md is what the code does: its worked example's batch is PostgreSQL's binary COPY of the row it
+"""docs/reference/protocol.md is what the code does: its worked example's batch is PostgreSQL's binary COPY of the row it
 states, its signed strings and signatures are broker.transport.signing's, and a real `broker serve` with the
 example's instance, catalog and secret accepts the batch and answers it, the same batch again, a batch that
 disagrees with what it holds, and a describe request, byte for byte as the document shows.  The document names
@@ -17,13 +17,13 @@ from broker.transport import signing, wire
 from tests.nodes import Node, define_node
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENT = (ROOT / "docs" / "protocol.md").read_text()
+DOCUMENT = (ROOT / "docs" / "reference" / "protocol.md").read_text()
 
 
 def example(name: str) -> str:
     """The fenced block that follows <!-- example: name -->."""
     found = re.search(rf"<!-- example: {name} -->\n```[^\n]*\n(.*?)```", DOCUMENT, re.DOTALL)
-    assert found, f"docs/protocol.md has no example block {name!r}"
+    assert found, f"docs/reference/protocol.md has no example block {name!r}"
     return found.group(1)
 
 
