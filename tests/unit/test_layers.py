@@ -9,6 +9,8 @@ from importlib import resources
 
 import pytest
 
+from tests.syntax import syntax_tree
+
 LIBRARY, SERVICES, COMMAND = "library", "services", "command"
 SERVICE_PACKAGES = ("broker.api", "broker.spark_ingest", "broker.migrations")
 FLOORS = {LIBRARY: 0, SERVICES: 1, COMMAND: 2}
@@ -27,7 +29,7 @@ def _modules(package: str, folder=None):
 def _imported(source: str) -> set[str]:
     """Every module an import statement names, at any depth (imports inside functions count too)."""
     names = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(syntax_tree(source)):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
