@@ -12,6 +12,7 @@ import psycopg2
 import psycopg2.extras
 
 from bench import cpu, workload
+from bench.databases import WalMeter
 from bench.nodes import TwoNodes
 from bench.otlp_sink import OtlpSink
 from bench.results import Measurement, ScenarioResult
@@ -130,15 +131,23 @@ def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: in
     _transfer(nodes, handles, min(messages, 5_000), payloads)  # warm the processes and caches
     nodes.clear_arrived()
     ours, bare, cpu_used = [], [], []
+    wal_bytes: dict[str, list[float]] = {"broker": [], "bare relay": []}
     roles = nodes.roles()
+    wal = WalMeter(nodes.a_url)
     for repetition in range(1, repetitions + 1):
-        bare.append(_bare_relay(nodes, conversations, messages, payloads))
+        rate, written = wal.written_during(lambda: _bare_relay(nodes, conversations, messages, payloads))
+        bare.append(rate)
+        wal_bytes["bare relay"].append(written / messages)
         before = roles.times()
-        ours.append(_transfer(nodes, handles, messages, payloads))
+        rate, written = wal.written_during(lambda: _transfer(nodes, handles, messages, payloads))
+        ours.append(rate)
+        wal_bytes["broker"].append(written / messages)
         cpu_used.append(cpu.per_message_us(before, roles.times(), messages))
         nodes.clear_arrived()
         report(f"cross-node transfer: repetition {repetition}/{repetitions}: bare relay {bare[-1]:,.0f} msgs/s, "
-               f"broker {ours[-1]:,.0f} msgs/s, CPU {cpu_used[-1]['all']:.1f} µs a message")
+               f"broker {ours[-1]:,.0f} msgs/s, CPU {cpu_used[-1]['all']:.1f} µs a message, WAL "
+               f"{wal_bytes['broker'][-1]:,.0f} bytes a message (bare relay {wal_bytes['bare relay'][-1]:,.0f})")
+    wal.close()
     cpu_us = {group: statistics.median(used[group] for used in cpu_used) for group in cpu_used[0]}
     measured = Measurement(f"send_batch → relay → HTTP → accept, CPU {cpu_us['all']:.0f} µs a message over both "
                            "nodes", "msgs/s", ours)
@@ -150,6 +159,9 @@ def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: in
                                    "per_transaction": workload.PER_TRANSACTION,
                                    "conversations_opened_per_s": opened_per_s,
                                    "cpu_us_per_message": cpu_us,
+                                   # both nodes' databases, on one server
+                                   "wal_bytes_per_message": {name: round(statistics.median(values))
+                                                             for name, values in wal_bytes.items()},
                                    "measured": "over conversations already open on both nodes"})
 
 

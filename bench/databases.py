@@ -1,15 +1,38 @@
 """The benchmark's databases: fresh, migrated ones on one server, dropped afterwards."""
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import psycopg2
 from sqlalchemy.engine import make_url
 
 from broker import migrate
 from broker.cli.embedded import EmbeddedPostgres
+
+T = TypeVar("T")
+
+
+class WalMeter:
+    """How many bytes of WAL the server writes while an action runs: what a way of sending costs in writes.  Every
+    database of the benchmark is on one server and one scenario runs at a time, so this is the whole server's."""
+
+    def __init__(self, url: str):
+        self.connection = psycopg2.connect(url)
+        self.connection.autocommit = True
+
+    def written_during(self, action: Callable[[], T]) -> tuple[T, int]:
+        with self.connection.cursor() as cursor:
+            cursor.execute("SELECT pg_current_wal_insert_lsn()")
+            (before,) = cursor.fetchone()
+            result = action()
+            cursor.execute("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)", (before,))
+            return result, int(cursor.fetchone()[0])
+
+    def close(self) -> None:
+        self.connection.close()
 
 
 class BenchServer:

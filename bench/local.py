@@ -10,7 +10,7 @@ import psycopg2
 import psycopg2.extras
 
 from bench import pgmq, workload
-from bench.databases import BenchServer, run_sql
+from bench.databases import BenchServer, WalMeter, run_sql
 from bench.results import Measurement, ScenarioResult, ratio_met
 
 BARE_TABLE = ("CREATE TABLE bench_bare (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL, seq bigint NOT NULL,"
@@ -25,10 +25,6 @@ SEND_ONE_BY_ONE = ("SELECT count(broker.send(handle, 'bench.record', body))"
                    " FROM unnest(%(handles)s::uuid[], %(bodies)s::bytea[]) AS m(handle, body)")
 SEND_TO_ONE = ("SELECT count(broker.send(%(handle)s, 'bench.record', body))"
                " FROM unnest(%(bodies)s::bytea[]) AS m(body)")
-# Where the server's WAL is written up to, and how many bytes it has written since: what each way of sending costs
-# in writes (every database of the benchmark is on one server, and one scenario runs at a time).
-WAL_NOW = "SELECT pg_current_wal_insert_lsn()"
-WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)"
 # The grouped scenario: a transaction of 100 sends 10 messages on each of 10 conversations.
 GROUPED_CONVERSATIONS = 10
 
@@ -87,14 +83,13 @@ def _against_pgmq(scenario: str, measured: Measurement, baseline: Measurement | 
 
 def send(server: BenchServer, messages: int, repetitions: int, report: Callable[[str], None],
          pgmq_sql: Path | None = None) -> list[ScenarioResult]:
-    """100 messages per transaction, to a remote service (into the transmission queue) and to a service in
+    """100 messages per transaction, to a remote service (into the transmission log) and to a service in
     the same database (into its queue), by broker.send_batch and by 100 calls of broker.send in one
     statement, against a multi-row INSERT of the same 100 rows into a bare table and, when its SQL is
     given, pgmq.send_batch of 100; a message on each of 100 conversations, and send_batch to the local service
     with 10 messages on each of 10.  Each with the WAL it writes per message."""
     remote, local = (psycopg2.connect(_prepare(server, remote_receiver=remote)) for remote in (True, False))
-    wal = psycopg2.connect(server.server_url)
-    wal.autocommit = True
+    wal = WalMeter(server.server_url)
     pgmq_url = _pgmq_database(server, pgmq_sql)
     peer = psycopg2.connect(pgmq_url) if pgmq_url else None
     payloads, pgmq_payloads = workload.bodies(), pgmq.bodies()
@@ -105,13 +100,10 @@ def send(server: BenchServer, messages: int, repetitions: int, report: Callable[
     wal_bytes: dict[str, list[float]] = {}
 
     def measure(name: str, action: Callable[[], None]) -> float:
-        with wal.cursor() as cursor:
-            cursor.execute(WAL_NOW)
-            (before,) = cursor.fetchone()
-            rates.setdefault(name, []).append(_rate(action, messages))
-            cursor.execute(WAL_SINCE, (before,))
-            wal_bytes.setdefault(name, []).append(float(cursor.fetchone()[0]) / messages)
-        return rates[name][-1]
+        rate, written = wal.written_during(lambda: _rate(action, messages))
+        rates.setdefault(name, []).append(rate)
+        wal_bytes.setdefault(name, []).append(written / messages)
+        return rate
 
     try:
         for connection in (remote, local):  # warm up
@@ -134,7 +126,7 @@ def send(server: BenchServer, messages: int, repetitions: int, report: Callable[
     details = {"messages": messages, "per_transaction": workload.PER_TRANSACTION, "message_bytes": workload.MESSAGE_BYTES,
                "conversations": workload.PER_TRANSACTION,
                "wal_bytes_per_message": {name: round(median(values)) for name, values in wal_bytes.items()}}
-    remote_details = {**details, "far_side": "remote: into the transmission queue"}
+    remote_details = {**details, "far_side": "remote: into the transmission log"}
     local_details = {**details, "far_side": "local: into the service's queue"}
     batched, one_by_one = "broker.send_batch of 100", "100 broker.send calls in one statement"
     batch_local = Measurement(batched, "msgs/s", rates["batch local"])

@@ -13,7 +13,7 @@ from bench.nodes import TwoNodes
 from bench.results import Measurement, ScenarioResult
 
 DEAD_TUPLES = ("SELECT coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables"
-               " WHERE schemaname = 'broker' AND relname IN ('queue_messages', 'transmission_queue')")
+               " WHERE schemaname = 'broker' AND relname IN ('queue_messages', 'transmission_log')")
 RECEIVE = "SELECT count(*) FROM broker.receive('bench_dst', 100)"
 # A sample every 5 s, or twelve over a shorter run.
 SAMPLE_EVERY_S = 5.0

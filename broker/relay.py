@@ -1,8 +1,8 @@
-"""The relay: carries committed messages from the transmission queue to the nodes that own their services.
+"""The relay: carries committed messages from the transmission log to the nodes that own their services.
 
-Per destination node it sends the lowest waiting numbers of each conversation,
-applies the signed acknowledgements in one transaction, and deletes only what
-the peer acknowledged after its commit.  The conversations are split by handle
+Per destination node it reads the log from where its lane's cursor stands
+(broker.next_batch), applies the signed acknowledgements in one transaction,
+and moves on only what the peer acknowledged after its commit.  The conversations are split by handle
 into lanes that send at once, each with a batch of its own in flight, so the
 two databases and the network work side by side.  Several relays may run
 against one database: a session advisory lock per destination and lane lets
@@ -52,6 +52,7 @@ DESTINATIONS_REFRESH_S = 1.0
 # Acknowledged messages past the resend window are forgotten at the same pace, and
 # messages that waited longer than their peer remembers are withheld.
 FORGET_EVERY_S = 60.0
+FORGET_AT_ONCE = 50_000
 
 
 # A message that a destination refuses as too large on its own is tried again this often (its limit may be raised).
@@ -61,6 +62,8 @@ WIRE_VERSION_KNOWN_FOR_S = 300.0
 # A destination that refused the routes' secret and took another is signed for under that one this long, before
 # the routes' is tried again (it may hold it by then).
 FALLBACK_SECRET_FOR_S = 60.0
+# A lane's next batch for a destination, by the wire version it is sent in (broker.transport.wire).
+NEXT_BATCH = {4: queries.QUERIES["next_batch_v4"], 3: queries.QUERIES["next_batch_v3"]}
 
 
 def smaller_batch_bytes(refused_bytes: int, limit_bytes: int | None) -> int:
@@ -163,7 +166,7 @@ class Relay:
         A database that goes away is waited for; every lane is woken when listening starts again,
         for whatever was committed meanwhile.
         """
-        listen(self.database_url, queries.LISTEN_FOR_TRANSMISSIONS, stop, IDLE_WAKE_S,
+        listen(self.database_url, queries.QUERIES["listen_for_transmissions"].text, stop,
                lambda payloads: self._wake({""} if payloads is None else payloads), "new messages")
 
     def _wake(self, payloads: set[str]) -> None:
@@ -240,15 +243,20 @@ class Lane:
         connection = self.connection
         if self.index == 0 and time.monotonic() >= self.forget_at:
             self._continue_queue_positions()
-            connection.execute(queries.FORGET_CLOSED_ENDPOINTS)
-            connection.execute(queries.FORGET_ACKNOWLEDGED_MESSAGES)
-            connection.execute(queries.WITHHOLD_WHAT_PEERS_FORGOT)
+            queries.call(connection, "forget_closed_endpoints")
+            queries.call(connection, "withhold_what_peers_forgot")
+            connection.commit()
+            # The resend window keeps up with any rate: a transaction of its own for each FORGET_AT_ONCE forgotten.
+            while queries.call(connection, "forget_acknowledged_messages",
+                               max_messages=FORGET_AT_ONCE).scalar_one() >= FORGET_AT_ONCE:
+                connection.commit()
             connection.commit()
             self.forget_at = time.monotonic() + FORGET_EVERY_S
         if time.monotonic() >= self.destinations_at:
             self.instance = queries.broker_instance(connection)
-            self.destinations = queries.destinations(connection)
-            self.connections.allow_metadata_addresses = queries.metadata_addresses_allowed(connection)
+            self.destinations = connection.execute(queries.QUERIES["destinations"]).all()
+            self.connections.allow_metadata_addresses = connection.execute(
+                queries.QUERIES["metadata_addresses_allowed"]).scalar_one()
             connection.commit()
             self.destinations_at = time.monotonic() + DESTINATIONS_REFRESH_S
         idle_s = IDLE_WAKE_S
@@ -266,7 +274,8 @@ class Lane:
         side of its last answered batch; the batches that follow carry the question."""
         side, due_at = self.probes.get(address, (None, 0.0))
         if side is not None and time.monotonic() >= due_at:
-            self.connection.execute(queries.PROBE_CONVERSATION, {"conversation": side[0], "by_initiator": side[1]})
+            queries.call(self.connection, "probe_conversation", casts={"conversation": "uuid"},
+                         conversation=side[0], sender_is_initiator=side[1])
             self.connection.commit()
             self.probes[address] = (side, time.monotonic() + self.relay.probe_interval_s)
 
@@ -275,7 +284,7 @@ class Lane:
         transaction ids are behind its own (broker.continue_queue_positions); tried again a minute later when the
         transactions that made positions did not end within its wait."""
         try:
-            added = self.connection.execute(queries.CONTINUE_QUEUE_POSITIONS).scalar_one()
+            added = queries.call(self.connection, "continue_queue_positions").scalar_one()
             self.connection.commit()
         except DBAPIError as error:
             self.connection.rollback()
@@ -291,7 +300,8 @@ class Lane:
     def _holds_lock(self, address: str) -> bool:
         """Whether this lane talks to the destination: it holds the lock, or has just taken it."""
         if address not in self.locked:
-            if queries.try_lane_lock(self.connection, address, self.index):
+            locked = self.connection.execute(queries.QUERIES["try_lane_lock"], {"address": address, "lane": self.index})
+            if locked.scalar_one():
                 self.locked.add(address)
             self.connection.commit()
         return address in self.locked
@@ -336,7 +346,7 @@ class Lane:
     def _post(self, destination, batch: bytes, version: int) -> str:
         """Posts the batch under each secret held for the destination in turn, until one is not refused (401): so
         the steps of a secret's rotation may come in any order on the two nodes, as long as they share a secret
-        (docs/operations.md, "Rotating a peer's secret")."""
+        (docs/how-to/rotate-a-secret.md)."""
         secrets = self.relay.secrets_to_sign_with(destination)
         for tried, secret in enumerate(secrets, 1):
             try:
@@ -353,9 +363,9 @@ class Lane:
         messages it holds: at most the relay's count, and max_bytes unless its first message alone is larger."""
         batch = io.BytesIO()
         with self.connection.begin(), self.connection.connection.cursor() as cursor:  # a transaction of its own
-            cursor.copy_expert(cursor.mogrify(queries.NEXT_BATCH[version], {
+            cursor.copy_expert(queries.with_values(cursor, NEXT_BATCH[version], {
                 "address": address, "max_messages": self.relay.batch_messages, "max_bytes": max_bytes,
-                "first": self.first_handle, "last": self.last_handle}).decode(), batch)
+                "first": self.first_handle, "last": self.last_handle}), batch)
             messages = cursor.rowcount
         return batch.getvalue(), messages
 
@@ -366,10 +376,12 @@ class Lane:
         sides = wire.last_numbers(batch)
         try:
             with self.connection.begin():
-                delivered = self.connection.execute(queries.APPLY_ANSWER, {
-                    "answer": answer, "conversations": [conversation for conversation, _ in sides],
-                    "by_initiator": [by_initiator for _, by_initiator in sides],
-                    "last_sent": list(sides.values())}).scalar_one()
+                delivered = queries.call(
+                    self.connection, "apply_transport_results",
+                    casts={"answer": "jsonb", "sent_conversations": "uuid[]"}, answer=answer,
+                    sent_conversations=[conversation for conversation, _ in sides],
+                    sent_by_initiator=[by_initiator for _, by_initiator in sides],
+                    last_sent=list(sides.values())).scalar_one()
         except DataError as error:  # the results are not what a transport answer holds: nothing was applied
             raise TransportFailure(f"the answer from {destination.address} is malformed: "
                                    f"{str(error.orig).strip().splitlines()[0]}") from error
@@ -386,13 +398,15 @@ class Lane:
             log.warning("%s refused a batch of %d messages and %d bytes as too large; sending at most %d bytes "
                         "a batch", address, messages, len(batch), self.learned_batch_bytes[address])
             return
-        handle = queries.endpoint_handle(self.connection, *wire.first_conversation(batch))
+        conversation_id, is_initiator = wire.first_conversation(batch)
+        handle = self.connection.execute(queries.QUERIES["endpoint_handle"], {
+            "conversation_id": conversation_id, "is_initiator": is_initiator}).scalar_one()
         limit = f" of {refusal.limit_bytes} bytes" if refusal.limit_bytes else ""
         reason = (f"{address} answered HTTP 413: the message alone is {len(batch)} bytes in a batch, over that "
                   f"node's limit{limit}")
         log.warning("conversation %s: %s; retrying in %.0f s", handle, reason, OVERSIZED_RETRY_S)
-        self.connection.execute(queries.RECORD_FAILURE, {"address": address, "first": handle, "last": handle,
-                                                 "reason": reason, "retry_after": timedelta(seconds=OVERSIZED_RETRY_S)})
+        queries.call(self.connection, "record_transport_failure", destination=address, first_handle=handle,
+                     last_handle=handle, reason=reason, retry_after=timedelta(seconds=OVERSIZED_RETRY_S))
         self.connection.commit()
 
     def _record_failure(self, address: str, reason: str) -> None:
@@ -400,7 +414,7 @@ class Lane:
         retry_after = backoff_s(failures)
         self.retry_at[address] = time.monotonic() + retry_after
         log.warning("%s; retrying in %.1f s", reason, retry_after)
-        self.connection.execute(queries.RECORD_FAILURE, {"address": address, "first": self.first_handle,
-                                                 "last": self.last_handle, "reason": reason,
-                                                 "retry_after": timedelta(seconds=retry_after)})
+        queries.call(self.connection, "record_transport_failure", destination=address,
+                     first_handle=self.first_handle, last_handle=self.last_handle, reason=reason,
+                     retry_after=timedelta(seconds=retry_after))
         self.connection.commit()

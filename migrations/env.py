@@ -1,9 +1,8 @@
 """Alembic environment: the database URL comes from the broker's settings, never alembic.ini.
 
-After the revisions, a database at the head gets the function files that changed (broker.schema.apply_functions).
-A release that changes function files has a revision of its own all the same, even an empty one
-(tests/acceptance/test_previous_release.py), so that /readyz tells a database migrated ahead of a node, which may
-serve it still, from one left behind."""
+After the revisions, a database at the head gets the function files that changed (broker.schema.apply_functions),
+and broker.function_release the release they are of: a release that changes only function files needs no revision
+of its own."""
 from alembic import context
 from sqlalchemy import create_engine, pool
 

@@ -66,5 +66,6 @@ def client_for_peers(connection: Connection, timeout_s: float, verify) -> httpx.
     """A checked client for a one-off look at the peers (broker diagnose, GET /v1/diagnose), allowing metadata
     addresses as the database's setting does now."""
     connections = CheckedConnections()
-    connections.allow_metadata_addresses = queries.metadata_addresses_allowed(connection)
+    allowed = connection.execute(queries.QUERIES["metadata_addresses_allowed"]).scalar_one()
+    connections.allow_metadata_addresses = allowed
     return checked_client(connections, timeout_s, verify)

@@ -64,6 +64,6 @@ def answer(engine: Engine, our_instance: str, peer_instance: str, headers: Mappi
                                "contracts": list(row.contracts)}
                     for row in queries.services(connection, asked.services)}
         contracts = queries.contracts(connection, asked.contracts)
-        routes = queries.services_routed_to(connection, peer_instance)
+        routes = connection.execute(queries.QUERIES["services_routed_to"], {"instance": peer_instance}).scalars().all()
     return secret, json.dumps({"broker_instance": our_instance, "services": services, "contracts": contracts,
                                "routes_to_you": routes}).encode()

@@ -24,6 +24,8 @@ from broker.transport import signing, wire
 NOTE_SECRET_USE_EVERY_S = 10.0
 # When this process last wrote it down, by peer and the secret's SHA-256: only peers whose signature was good.
 _secret_use_noted: dict[tuple[str, bytes], float] = {}
+# A batch of each wire version into the session's temporary table.
+COPY_BATCH = {4: queries.QUERIES["copy_batch_v4"], 3: queries.QUERIES["copy_batch_v3"]}
 
 
 class Malformed(Exception):
@@ -34,7 +36,8 @@ def secret_of_signer(connection: Connection, peer_instance: str, purpose: str, h
                      body: bytes) -> str:
     """The secret this node shares with the peer under which the request is signed for the purpose; raises
     signing.BadSignature when the peer did not sign it so."""
-    return signing.matching_secret(queries.secrets_of_peer(connection, peer_instance),
+    secrets = connection.execute(queries.QUERIES["secrets_of_peer"], {"instance": peer_instance}).scalars().all()
+    return signing.matching_secret(secrets,
                                    headers.get(signing.TIMESTAMP_HEADER), headers.get(signing.SIGNATURE_HEADER),
                                    purpose, body)
 
@@ -48,14 +51,14 @@ def accept_batch(engine: Engine, our_instance: str, peer_instance: str, headers:
     purpose = signing.request_purpose("POST", signing.BATCHES_PATH, wire.media_type(version), our_instance)
     try:  # the traces' spans end after the commit (ExitStack), and only for a signed batch
         with engine.connect() as connection, ExitStack() as traces, \
-                with_temporary_table(connection, "incoming_batch", queries.STAGE_BATCH).begin():
+                with_temporary_table(connection, "incoming_batch", "stage_batch").begin():
             secret = secret_of_signer(connection, peer_instance, purpose, headers, batch)
             _note_secret_use(connection, peer_instance, secret)
             stored = traces.enter_context(
                 tracing.handed_on(batch, "accept", "server", {"pg_broker.peer": peer_instance}))
             with connection.connection.cursor() as cursor:
-                cursor.copy_expert(queries.COPY_BATCH[version], io.BytesIO(stored))
-            answer = connection.execute(queries.ACCEPT_BATCH, {"instance": peer_instance}).scalar_one()
+                cursor.copy_expert(COPY_BATCH[version].text, io.BytesIO(stored))
+            answer = connection.execute(queries.QUERIES["accept_batch"], {"instance": peer_instance}).scalar_one()
     except (psycopg2.DataError, psycopg2.IntegrityError) as error:  # PostgreSQL's input checks refused it (COPY)
         raise Malformed(str(error).strip().splitlines()[0]) from error
     except (DataError, IntegrityError) as error:  # or the checks of broker.accept_transport_batch
@@ -69,5 +72,5 @@ def _note_secret_use(connection: Connection, peer_instance: str, secret: str) ->
     noted = (peer_instance, hashlib.sha256(secret.encode()).digest())
     if _secret_use_noted.get(noted, 0.0) > time.monotonic():
         return
-    queries.note_secret_use(connection, *noted)
+    connection.execute(queries.QUERIES["note_secret_use"], {"instance": noted[0], "secret_sha256": noted[1]})
     _secret_use_noted[noted] = time.monotonic() + NOTE_SECRET_USE_EVERY_S

@@ -75,7 +75,7 @@ def _detail(response: httpx.Response) -> str:
 
 
 def post_batch(client: httpx.Client, destination, our_instance: str, batch: bytes, version: int, secret: str) -> str:
-    """Sends a batch in that wire version to the destination (a row of broker.queries.destinations), signed under
+    """Sends a batch in that wire version to the destination (a row of the query destinations), signed under
     the secret; returns its answer, as JSON text, once it is signed by the destination under the same secret as the
     answer to this request.  Raises TransportFailure."""
     address = destination.address

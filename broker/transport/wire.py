@@ -9,7 +9,7 @@ it sends the highest version both take, which the peer's /healthz names (broker.
 without its message ids.  A batch of any other version is refused from the request's headers (415, naming the
 versions this node takes), so two nodes never read each other's batches as something they are not.  A request is
 signed for its media type as well (broker.transport.signing), so a batch cannot be passed off as another format.
-See docs/protocol.md.
+See docs/reference/protocol.md.
 """
 import struct
 import uuid

@@ -204,7 +204,9 @@ BEGIN
 EXCEPTION WHEN unique_violation THEN
     PERFORM broker._raise('BR040', format('message type %L already exists', name));
 END $$;
-COMMENT ON FUNCTION broker.create_message_type(text, text) IS 'Defines a message type with validation none, empty or json.';
+COMMENT ON FUNCTION broker.create_message_type(text, text) IS $$Defines a message type. `validation` says what its
+bodies must be: `none` (anything), `empty` (no body) or `json` (a body that parses as JSON). BR040 when the name is
+taken.$$;
 
 CREATE OR REPLACE FUNCTION broker.drop_message_type(name text) RETURNS void
 LANGUAGE plpgsql AS $$
@@ -219,6 +221,8 @@ BEGIN
     END IF;
     DELETE FROM broker.message_types WHERE message_type_id = mt.message_type_id;
 END $$;
+COMMENT ON FUNCTION broker.drop_message_type(text) IS $$Drops a message type. Refused with BR041 while a contract uses
+it, and with BR050 for one of the broker's own (`broker.` names).$$;
 
 CREATE OR REPLACE FUNCTION broker.create_contract(name text, message_types jsonb) RETURNS void
 LANGUAGE plpgsql AS $$
@@ -246,8 +250,9 @@ BEGIN
 EXCEPTION WHEN unique_violation THEN
     PERFORM broker._raise('BR040', format('contract %L already exists', name));
 END $$;
-COMMENT ON FUNCTION broker.create_contract(text, jsonb) IS
-    'Defines a contract: {"message type": "initiator" | "target" | "any"}.';
+COMMENT ON FUNCTION broker.create_contract(text, jsonb) IS $$Defines a contract. `message_types` is a JSON object
+`{"message type": "initiator" | "target" | "any"}`: who may send each type. The broker's own types (`broker.` names)
+are part of every contract, and naming one is BR050. BR040 when the name is taken.$$;
 
 CREATE OR REPLACE FUNCTION broker.drop_contract(name text) RETURNS void
 LANGUAGE plpgsql AS $$
@@ -260,6 +265,8 @@ BEGIN
     END IF;
     DELETE FROM broker.contracts WHERE contract_id = id;
 END $$;
+COMMENT ON FUNCTION broker.drop_contract(text) IS $$Drops a contract. Refused with BR041 while a service or a
+conversation uses it.$$;
 
 CREATE OR REPLACE FUNCTION broker.create_queue(name text, status boolean DEFAULT true, retention boolean DEFAULT false,
                                     poison_threshold integer DEFAULT 5) RETURNS void
@@ -275,8 +282,10 @@ BEGIN
 EXCEPTION WHEN unique_violation THEN
     PERFORM broker._raise('BR040', format('queue %L already exists', name));
 END $$;
-COMMENT ON FUNCTION broker.create_queue(text, boolean, boolean, integer) IS
-    'Creates a queue: status (enabled), retention (keep received messages until the conversation is closed), poison_threshold.';
+COMMENT ON FUNCTION broker.create_queue(text, boolean, boolean, integer) IS $$Creates a queue. `status`: whether it is
+enabled; `retention` keeps received messages (marked `received_at`) until the conversation ends; `poison_threshold`
+(at least 1): the failed attempts on a message after which its conversation is quarantined. BR040 when the name is
+taken.$$;
 
 -- NULL arguments leave a setting as it is.
 CREATE OR REPLACE FUNCTION broker.alter_queue(name text, status boolean DEFAULT NULL, retention boolean DEFAULT NULL,
@@ -294,6 +303,8 @@ BEGIN
         poison_threshold = coalesce(alter_queue.poison_threshold, queues.poison_threshold)
     WHERE queue_id = q.queue_id;
 END $$;
+COMMENT ON FUNCTION broker.alter_queue(text, boolean, boolean, integer) IS $$Changes a queue's `status`, `retention`
+and `poison_threshold`, as `create_queue` sets them; NULL leaves a setting as it is.$$;
 
 CREATE OR REPLACE FUNCTION broker.drop_queue(name text) RETURNS void
 LANGUAGE plpgsql AS $$
@@ -306,6 +317,8 @@ BEGIN
     DELETE FROM broker.conversation_groups WHERE queue_id = q.queue_id;
     DELETE FROM broker.queues WHERE queue_id = q.queue_id;
 END $$;
+COMMENT ON FUNCTION broker.drop_queue(text) IS $$Drops a queue and its conversation groups. Refused with BR041 while a
+service uses it.$$;
 
 CREATE OR REPLACE FUNCTION broker.create_service(name text, queue text, contracts text[] DEFAULT '{}') RETURNS void
 LANGUAGE plpgsql AS $$
@@ -324,8 +337,8 @@ BEGIN
 EXCEPTION WHEN unique_violation THEN
     PERFORM broker._raise('BR040', format('service %L already exists', name));
 END $$;
-COMMENT ON FUNCTION broker.create_service(text, text, text[]) IS
-    'Creates a service on a queue, accepting the given contracts as a target.';
+COMMENT ON FUNCTION broker.create_service(text, text, text[]) IS $$Creates a service on a queue; `contracts` are those
+it accepts as a target. BR040 when the name is taken.$$;
 
 -- Conversations already begun go on under their contract whatever the
 -- service accepts from then on: a target checks its contracts only when a
@@ -343,8 +356,8 @@ BEGIN
         ON CONFLICT DO NOTHING;
     END LOOP;
 END $$;
-COMMENT ON FUNCTION broker.alter_service(text, text[]) IS
-    'Sets the contracts a service accepts as a target, for conversations that begin from now on.';
+COMMENT ON FUNCTION broker.alter_service(text, text[]) IS $$Sets the contracts a service accepts as a target;
+conversations already begun go on under theirs.$$;
 
 CREATE OR REPLACE FUNCTION broker.drop_service(name text) RETURNS void
 LANGUAGE plpgsql AS $$
@@ -360,6 +373,9 @@ BEGIN
     DELETE FROM broker.endpoints WHERE service_id = s.service_id;
     DELETE FROM broker.services WHERE service_id = s.service_id;
 END $$;
+COMMENT ON FUNCTION broker.drop_service(text) IS $$Drops a service, with its closed conversation sides and their
+messages. Refused with BR041 while it has conversations that are not closed: end them first, or with
+`end_conversation(handle, cleanup => true)`.$$;
 
 -- Whether the operator lets routes reach link-local and cloud metadata
 -- addresses: the setting broker.allow_metadata_addresses, off unless set
@@ -446,8 +462,15 @@ BEGIN
 EXCEPTION WHEN unique_violation THEN
     PERFORM broker._raise('BR040', format('a route for service %L already exists', service_name));
 END $$;
-COMMENT ON FUNCTION broker.create_route(text, text, uuid, text) IS
-    'Tells where a remote service lives: its node''s base URL, broker_instance and the secret shared with that node.';
+COMMENT ON FUNCTION broker.create_route(text, text, uuid, text) IS $$Says where a remote service lives: its node's URL
+(`address`), its instance id (`broker_instance`) and the secret shared with that node (at least 16 characters, else
+BR050). BR040 when the service has a route already. BR050 for an address that is not a plain `http(s)` URL of a host
+(with an optional port and path; no credentials, query or fragment); for a host that is a link-local or cloud metadata
+address or name (169.254.0.0/16, fe80::/10, 100.100.100.200, fd00:ec2::254, also as IPv4-mapped or NAT64 IPv6
+addresses; `metadata`, `metadata.google.internal`, `metadata.goog`, `instance-data`, `instance-data.ec2.internal`,
+`metadata.tencentyun.com`) unless the setting `broker.allow_metadata_addresses` is on (`ALTER DATABASE … SET
+broker.allow_metadata_addresses = on`); and, whatever is allowed, for a host that ends in a number but is not an IPv4
+address in four decimals (`2852039166`, `0xa9fea9fe`, `010.0.0.1`: resolvers read these as other addresses).$$;
 
 CREATE OR REPLACE FUNCTION broker.drop_route(service_name text) RETURNS void
 LANGUAGE plpgsql AS $$
@@ -457,3 +480,4 @@ BEGIN
         PERFORM broker._raise('BR006', format('no route for service %L', service_name));
     END IF;
 END $$;
+COMMENT ON FUNCTION broker.drop_route(text) IS $$Drops the route of a remote service; BR006 when it has none.$$;

@@ -60,8 +60,12 @@ LANGUAGE sql STABLE AS $$
     SELECT (pg_snapshot_xmin(pg_current_snapshot())::text::bigint + b.xid_offset) << 20
     FROM broker.queue_position_base b
 $$;
-COMMENT ON FUNCTION broker.committed_position_horizon() IS
-    'Every destination-queue row below this position was written by a finished transaction; bulk readers read below it.';
+COMMENT ON FUNCTION broker.committed_position_horizon() IS $$Every row of a queue below this position was written by a
+transaction that has finished: a `queue_position` is the writing transaction's id shifted left 20 bits plus a counter,
+and this is the oldest transaction still running, in the same units. A bulk reader that reads `queue_position >
+checkpoint AND queue_position < broker.committed_position_horizon()` never later finds a newly committed row below its
+checkpoint, which a reader of a plain `bigserial` would (a lower id can commit later). See "Committed order for bulk
+readers" in the guarantees.$$;
 
 -- The database was restored into a cluster whose transaction ids are behind
 -- those its positions were made with (pg_dump and pg_restore into another
@@ -93,6 +97,11 @@ BEGIN
     UPDATE broker.queue_position_base SET xid_offset = xid_offset + added;
     RETURN added;
 END $$;
+COMMENT ON FUNCTION broker.continue_queue_positions() IS $$(admin, relay) In a database restored into a cluster whose
+transaction ids are behind its own (`pg_restore` into another cluster), makes new queue positions come after every
+earlier one by raising the offset in `queue_position_base`, and returns the transaction ids added (0, locking nothing,
+when positions are in order). Waits at most 5 s for the transactions that made positions (else SQLSTATE 55P03). A
+running relay calls it when it starts and every minute.$$;
 GRANT EXECUTE ON FUNCTION broker.continue_queue_positions() TO broker_relay;
 
 -- The highest position a queue, an ingest's checkpoint or a watched head holds.
@@ -232,9 +241,9 @@ BEGIN
         far := broker._far_endpoint(sender);
         PERFORM broker._deliver(far, sequence_number, mt, body, broker._traceparent());
     ELSE
-        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body, next_attempt_at, priority,
-                                               traceparent)
+        INSERT INTO broker.transmission_log (conversation_handle, message_sequence_number, conversation_id,
+                                             to_service, message_type_id, body, next_attempt_at, priority,
+                                             traceparent)
         VALUES (sender.conversation_handle, sequence_number, sender.conversation_id,
                 sender.far_service, mt.message_type_id, body, greatest(hold_until, now()), sender.priority,
                 broker._traceparent());
@@ -262,6 +271,23 @@ LANGUAGE sql IMMUTABLE AS $$
 $$;
 GRANT EXECUTE ON FUNCTION broker._error_body(integer,text) TO broker_relay;
 
+-- Takes out of the transmission log what waits of a conversation side: the
+-- numbers its far node has not acknowledged (all of them for a local far
+-- side, whose log holds only messages held until their delivery time), and
+-- its retry.  What was acknowledged stays for the resend window.
+CREATE OR REPLACE FUNCTION broker._take_waiting(handle uuid) RETURNS SETOF broker.transmission_log
+LANGUAGE sql AS $$
+    WITH retry_ended AS (
+        DELETE FROM broker.transmission_retries r WHERE r.conversation_handle = handle
+    )
+    DELETE FROM broker.transmission_log t
+    WHERE t.conversation_handle = handle
+      AND t.message_sequence_number > coalesce((SELECT p.acknowledged_sequence FROM broker.transmission_progress p
+                                                WHERE p.conversation_handle = handle), 0)
+    RETURNING t.*;
+$$;
+GRANT EXECUTE ON FUNCTION broker._take_waiting(uuid) TO broker_relay;
+
 -- Sends broker.error to the far side of a locked endpoint.  What this side
 -- had not transmitted yet is dropped first, as Service Broker does: the far
 -- side must not act on work that the error cancels.  The error keeps the next
@@ -275,9 +301,7 @@ CREATE OR REPLACE FUNCTION broker._transmit_error(sender broker.endpoints, error
 RETURNS bigint
 LANGUAGE plpgsql AS $$
 BEGIN
-    DELETE FROM broker.transmission_queue t
-    WHERE t.to_service = sender.far_service AND t.priority = sender.priority
-      AND t.conversation_handle = sender.conversation_handle;
+    PERFORM broker._take_waiting(sender.conversation_handle);
     sender.held_until := NULL;  -- what was held is dropped, and the error goes now
     RETURN broker._transmit(sender, broker._message_type('broker.error'),
                             broker._error_body(error_code, error_description));

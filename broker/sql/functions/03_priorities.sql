@@ -23,8 +23,12 @@ EXCEPTION WHEN unique_violation THEN
     PERFORM broker._raise('BR040', format('broker priority %L, or one for the same contract and services, already exists',
         name));
 END $$;
-COMMENT ON FUNCTION broker.create_broker_priority(text, integer, text, text, text) IS
-    'Gives conversation sides created from now on for the contract, local and remote service given (NULL: any) a priority from 1 to 10 (default 5): their messages are received and transmitted first.';
+COMMENT ON FUNCTION broker.create_broker_priority(text, integer, text, text, text) IS $$(admin) Service Broker's
+`CREATE BROKER PRIORITY`: conversation sides created from then on for `contract` between `local_service` and
+`remote_service` (NULL: any) get `priority` (1 to 10; 5 without a match), the most specific match winning: contract,
+then local service, then remote service. Receive hands out the groups of the highest priority first, and the relay
+sends a destination's messages of the highest priority first; each conversation stays in order. BR050 for a priority
+outside 1–10, BR040 for a name or a match that exists.$$;
 
 CREATE OR REPLACE FUNCTION broker.drop_broker_priority(name text) RETURNS void
 LANGUAGE plpgsql AS $$
@@ -34,8 +38,8 @@ BEGIN
         PERFORM broker._raise('BR005', format('unknown broker priority %L', name));
     END IF;
 END $$;
-COMMENT ON FUNCTION broker.drop_broker_priority(text) IS
-    'Drops a broker priority; conversation sides that have it keep it.';
+COMMENT ON FUNCTION broker.drop_broker_priority(text) IS $$(admin) Drops a broker priority; a conversation side keeps
+the priority it got. BR005 for an unknown name.$$;
 
 -- The priority of a new conversation side (see broker.broker_priorities).
 -- plpgsql rather than sql: its plan is kept for the session; as sql it was

@@ -78,8 +78,11 @@ BEGIN
     END IF;
     RETURN handle;
 END $$;
-COMMENT ON FUNCTION broker.begin_dialog(text, text, text, interval, uuid, uuid) IS
-    'Begins a conversation from a local service to a local or routed service; returns the initiator''s handle.';
+COMMENT ON FUNCTION broker.begin_dialog(text, text, text, interval, uuid, uuid) IS $$Begins a conversation from a
+local service to a local or routed service under `contract`, and returns the initiator's conversation handle.
+`lifetime`: how long the conversation may last (positive; NULL: for ever). The conversation joins the group given
+(`related_conversation_group`), or that of the local conversation side `related_conversation` (Service Broker's
+`RELATED_CONVERSATION`), which must be in `from_service`'s queue; else a new group.$$;
 GRANT EXECUTE ON FUNCTION broker.begin_dialog(text,text,text,interval,uuid,uuid) TO broker_application;
 
 ------------------------------------------------------------------------------
@@ -99,8 +102,7 @@ DECLARE
     e broker.endpoints := broker._lock_endpoint(conversation_handle);
 BEGIN
     IF cleanup THEN
-        DELETE FROM broker.transmission_queue t
-        WHERE t.to_service = e.far_service AND t.priority = e.priority AND t.conversation_handle = e.conversation_handle;
+        PERFORM broker._take_waiting(e.conversation_handle);
         PERFORM broker._close_endpoint(e);
         RETURN;
     END IF;
@@ -134,6 +136,8 @@ BEGIN
         PERFORM broker._close_endpoint(e);
     END IF;
 END $$;
-COMMENT ON FUNCTION broker.end_conversation(uuid, integer, text, boolean) IS
-    'Ends a conversation: broker.end_dialog to the far side, or broker.error with an error code, or nothing with cleanup.';
+COMMENT ON FUNCTION broker.end_conversation(uuid, integer, text, boolean) IS $$Ends this side of a conversation:
+`broker.end_dialog` goes to the far side; or, with `error_code` (positive: 0 and below are the broker's) and
+`error_description`, `broker.error` does, and what has not left the transmission queue is dropped; or, with `cleanup`,
+nothing goes (what waits to be sent is dropped) and the side is closed at once. BR020 when it is ended already.$$;
 GRANT EXECUTE ON FUNCTION broker.end_conversation(uuid,integer,text,boolean) TO broker_application;

@@ -57,9 +57,9 @@ BEGIN
               e.held_until, e.priority
     INTO numbered;
     IF FOUND THEN
-        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body, next_attempt_at, priority,
-                                               traceparent)
+        INSERT INTO broker.transmission_log (conversation_handle, message_sequence_number, conversation_id,
+                                             to_service, message_type_id, body, next_attempt_at, priority,
+                                             traceparent)
         VALUES (numbered.conversation_handle, numbered.send_sequence, numbered.conversation_id, numbered.far_service,
                 numbered.message_type_id, body, greatest(numbered.held_until, now()), numbered.priority,
                 broker._traceparent());
@@ -91,8 +91,13 @@ BEGIN
     END IF;
     RETURN broker._transmit(sender, mt, body, due);
 END $$;
-COMMENT ON FUNCTION broker.send(uuid, text, bytea, interval, timestamptz) IS
-    'Sends a message on a conversation, at once or held until its delivery time; returns its sequence number.  Durable when the caller commits.';
+COMMENT ON FUNCTION broker.send(uuid, text, bytea, interval, timestamptz) IS $$Sends a message on a conversation and
+returns its sequence number; it is durable when the caller commits, and a local target gets it in this transaction.
+Given a delivery time to come (`deliver_after` from now, or `deliver_at`; BR050 for both or for `infinity`), the
+message is held until then, and every later message of this side of the conversation (`send_batch` and the ending
+included) waits behind it: it shows in `transmission_queue_status` as "held until its delivery time", and is delivered
+by the node within about a quarter second of it (or by a `receive` of its queue, or `fire_due_events()`), or sent by
+the relay within about a second to a remote service.$$;
 GRANT EXECUTE ON FUNCTION broker.send(uuid,text,bytea,interval,timestamp with time zone) TO broker_application;
 
 -- When a message given deliver_after (from now) or deliver_at is to be
@@ -198,9 +203,9 @@ BEGIN
         JOIN broker.endpoints e ON e.conversation_handle = g.h
         WHERE e.conversation_handle = ANY (conversation_handles)
     ), queued AS (
-        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body, next_attempt_at, priority,
-                                               traceparent)
+        INSERT INTO broker.transmission_log (conversation_handle, message_sequence_number, conversation_id,
+                                             to_service, message_type_id, body, next_attempt_at, priority,
+                                             traceparent)
         SELECT n.h, n.sequence_number, n.conversation_id, n.far_service, mt.message_type_id, n.b,
                greatest(n.held_until, now()), n.priority, trace
         FROM numbered n WHERE NOT n.far_is_local
@@ -235,8 +240,9 @@ BEGIN
     PERFORM pg_notify('broker_transmission_queue', lane) FROM unnest(lanes) lane;
     RETURN coalesce(numbers, '{}');
 END $$;
-COMMENT ON FUNCTION broker.send_batch(uuid[], text, bytea[]) IS
-    'Sends bodies[i] on conversation_handles[i], all of one message type; returns the sequence numbers in order.';
+COMMENT ON FUNCTION broker.send_batch(uuid[], text, bytea[]) IS $$Sends `bodies[i]` on `conversation_handles[i]` in
+one statement, all of one message type; a handle may repeat (numbered in the order given). Returns the sequence
+numbers in that order. All or nothing, with `send`'s checks and errors.$$;
 GRANT EXECUTE ON FUNCTION broker.send_batch(uuid[],text,bytea[]) TO broker_application;
 
 CREATE OR REPLACE FUNCTION broker._content_sha256(message_type text, body bytea) RETURNS bytea
@@ -282,8 +288,10 @@ BEGIN
             ELSE format('message %s of conversation %s was already sent with another content; the next number is %s',
                         sequence_number, conversation_handle, expected) END;
 END $$;
-COMMENT ON FUNCTION broker.send_numbered(uuid, bigint, text, bytea, interval, timestamptz) IS
-    'Idempotent send: the client numbers the message; a retry with the same number and content is a no-op.';
+COMMENT ON FUNCTION broker.send_numbered(uuid, bigint, text, bytea, interval, timestamptz) IS $$Idempotent send: the
+client numbers the message; returns false, sending nothing, when that very message was sent already (its delivery time
+is not part of what is compared). A number out of turn, or reused with another content, is BR021 (its DETAIL: the next
+number). Held as `send` holds it.$$;
 GRANT EXECUTE ON FUNCTION broker.send_numbered(uuid,bigint,text,bytea,interval,timestamp with time zone) TO broker_application;
 
 -- broker.send_numbered for many messages, in the order given, all or none:
@@ -365,6 +373,7 @@ BEGIN
     SELECT x.conversation_handle, x.sequence_number, x.digest FROM unnest(judged) x WHERE x.fresh;
     RETURN coalesce((SELECT array_agg(x.fresh ORDER BY x.k) FROM unnest(judged) x), '{}');
 END $$;
-COMMENT ON FUNCTION broker.send_numbered_batch(uuid[], bigint[], text[], bytea[]) IS
-    'broker.send_numbered for many messages in order, all or none: whether each was sent now.';
+COMMENT ON FUNCTION broker.send_numbered_batch(uuid[], bigint[], text[], bytea[]) IS $$`send_numbered` for many
+messages in the order given, all or none, each judged as it would be after the ones before it; returns whether each
+was sent now. What `POST /v1/messages` runs.$$;
 GRANT EXECUTE ON FUNCTION broker.send_numbered_batch(uuid[],bigint[],text[],bytea[]) TO broker_application;

@@ -191,8 +191,12 @@ BEGIN
     ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
              m.notice_after IS NOT NULL, m.queue_position;
 END $$;
-COMMENT ON FUNCTION broker.receive(text, integer, uuid, integer, uuid) IS
-    'Locks one conversation group of a queue (or the one given, or that of the conversation given) and returns up to max_messages (NULL: all) of its messages in order; they are consumed when the caller commits.';
+COMMENT ON FUNCTION broker.receive(text, integer, uuid, integer, uuid) IS $$Locks one conversation group of a queue
+(or the one given, or that of the conversation given) and returns its messages in order, up to `max_messages`; they
+are consumed when the caller commits, and come back on rollback. `max_messages => NULL` takes every message of the
+locked group (`RECEIVE` without `TOP`); `wait_ms => -1` waits until a message comes (`WAITFOR` without `TIMEOUT`;
+`statement_timeout` still bounds it); `conversation_handle` hands out only that conversation's messages, its group
+locked (BR005 when the queue holds no such conversation side).$$;
 GRANT EXECUTE ON FUNCTION broker.receive(text,integer,uuid,integer,uuid) TO broker_application;
 
 CREATE OR REPLACE FUNCTION broker.get_conversation_group(queue text, wait_ms integer DEFAULT 0) RETURNS uuid
@@ -201,6 +205,6 @@ SECURITY DEFINER SET search_path = broker, pg_catalog, pg_temp
 AS $$
     SELECT broker._wait_for_group(broker._enabled_queue(queue), NULL, NULL, broker._require('wait_ms', wait_ms))
 $$;
-COMMENT ON FUNCTION broker.get_conversation_group(text, integer) IS
-    'Locks the next conversation group with messages until the transaction ends and returns it (NULL if none).';
+COMMENT ON FUNCTION broker.get_conversation_group(text, integer) IS $$Locks the next conversation group with messages
+until the transaction ends and returns it (NULL when there is none); `wait_ms => -1` waits until there is one.$$;
 GRANT EXECUTE ON FUNCTION broker.get_conversation_group(text,integer) TO broker_application;

@@ -44,6 +44,10 @@ AS $$
     SELECT broker._head_failed(broker._queue(queue), broker._require('conversation_group', conversation_group), reason,
                                true);
 $$;
+COMMENT ON FUNCTION broker.report_processing_failure(text, uuid, text) IS $$Counts a failed attempt on the group's
+first message, and backs the group off: readers pass it over while another group waits, for a second after the first
+failure, doubling up to a minute. Returns true when that quarantined its conversation (at the queue's
+`poison_threshold`).$$;
 GRANT EXECUTE ON FUNCTION broker.report_processing_failure(text,uuid,text) TO broker_application;
 
 -- Counts a failed attempt on a waiting message of a locked conversation side.
@@ -187,8 +191,12 @@ BEGIN
     PERFORM broker._back_off(message.conversation_group_id, message.failed_attempts + 1);
     RETURN 1;
 END $$;
-COMMENT ON FUNCTION broker.count_unreported_rollbacks(interval, integer) IS
-    'Watches the heads of the groups at the front of each queue and counts a processing failure (at most one a call) for one whose receive ended without taking it and without a report for grace; returns how many it counted.  A running node calls it every second.';
+COMMENT ON FUNCTION broker.count_unreported_rollbacks(interval, integer) IS $$(admin, relay) Watches the head messages
+of the groups at the front of each queue (the first `max_messages` a receive would walk) and counts a failed attempt,
+as `report_processing_failure` would, for one whose receive ended without taking it and without a report for `grace`
+(at most one a call, waiting up to a second for its group); returns how many it counted. BR050 for a NULL or negative
+`grace` (a negative one would count a rollback that has just happened) or a negative `max_messages`. A running node
+calls it every second (see the how-to "Poison messages and dead letters").$$;
 GRANT EXECUTE ON FUNCTION broker.count_unreported_rollbacks(interval,integer) TO broker_relay;
 
 -- Moves the waiting messages of a locked conversation side, head (its first)
@@ -269,8 +277,11 @@ BEGIN
     RETURN broker._quarantine(q, e, head, format('dead-lettered by its reader: %s', reason),
         format('message %s was dead-lettered by its reader: %s', head.message_sequence_number, reason));
 END $$;
-COMMENT ON FUNCTION broker.dead_letter_conversation(uuid, text, uuid) IS
-    'A reader that holds the group dead-letters a conversation: its waiting messages move to broker.dead_letters and it ends with broker.error (-2).';
+COMMENT ON FUNCTION broker.dead_letter_conversation(uuid, text, uuid) IS $$A reader that holds the group (after
+rolling back its receive, or by its lease's `lock_token`) quarantines the conversation now: what waits of it moves to
+`dead_letters`, the first message with the reason, and it ends with `broker.error` (-2) on both sides. A lease ends
+(lost as `dead_lettered`) and its other messages come back. Returns how many messages moved; BR020 when nothing of it
+waits.$$;
 GRANT EXECUTE ON FUNCTION broker.dead_letter_conversation(uuid,text,uuid) TO broker_application;
 
 -- Puts a quarantined conversation's dead letters back into its queue, in
@@ -318,8 +329,12 @@ BEGIN
     PERFORM pg_notify('broker_queue', q.queue_id::text);
     RETURN resubmitted;
 END $$;
-COMMENT ON FUNCTION broker.resubmit_dead_letters(text, uuid) IS
-    'Puts a quarantined conversation''s dead letters back into its queue, in order; returns how many.';
+COMMENT ON FUNCTION broker.resubmit_dead_letters(text, uuid) IS $$(admin) Puts a quarantined conversation's dead
+letters back into its queue in order, while its side is in error (BR020 once ended), and returns how many. They keep
+their sequence numbers and are received **before** the `broker.error` that quarantined the conversation, if that still
+waits (a notice is received after the last message that had arrived when it was raised, as they had). So a reader that
+ends a conversation on its `broker.error`, as readers do, processes every resubmitted message first; one that ended it
+before the resubmit cannot take them back.$$;
 
 -- Deletes a queue's dead letters (older_than: only those dead-lettered longer
 -- ago); returns how many.
@@ -334,8 +349,8 @@ BEGIN
     GET DIAGNOSTICS purged = ROW_COUNT;
     RETURN purged;
 END $$;
-COMMENT ON FUNCTION broker.purge_dead_letters(text, interval) IS
-    'Deletes a queue''s dead letters, or those dead-lettered longer ago than older_than; returns how many.';
+COMMENT ON FUNCTION broker.purge_dead_letters(text, interval) IS $$(admin) Deletes a queue's dead letters, or those
+dead-lettered longer ago than `older_than`; returns how many.$$;
 
 -- Deletes every message waiting in a queue (received ones that retention
 -- keeps stay) and ends its leases; returns how many messages it deleted.  The
@@ -354,5 +369,5 @@ BEGIN
     GET DIAGNOSTICS purged = ROW_COUNT;
     RETURN purged;
 END $$;
-COMMENT ON FUNCTION broker.purge_queue(text) IS
-    'Deletes every message waiting in a queue and ends its leases; returns how many messages it deleted.';
+COMMENT ON FUNCTION broker.purge_queue(text) IS $$(admin) Deletes every message waiting in the queue and ends its
+leases (their lock is lost as `purged`); the conversations go on. Returns how many messages it deleted.$$;

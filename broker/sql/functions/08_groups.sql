@@ -50,8 +50,9 @@ BEGIN
     UPDATE broker.queue_messages m SET conversation_group_id = conversation_group
     WHERE m.conversation_group_id = e.conversation_group_id AND m.conversation_handle = e.conversation_handle;
 END $$;
-COMMENT ON FUNCTION broker.move_conversation(uuid, uuid) IS
-    'Moves one side of a conversation and its waiting messages to another conversation group of its queue.';
+COMMENT ON FUNCTION broker.move_conversation(uuid, uuid) IS $$Moves one side of a conversation and its waiting
+messages to another conversation group of its queue, made when it does not exist (`MOVE CONVERSATION`). Waits for a
+reader holding either group; BR041 while a lock (lease) holds one.$$;
 GRANT EXECUTE ON FUNCTION broker.move_conversation(uuid,uuid) TO broker_application;
 
 -- Holds a conversation group for the caller: the group stays locked until
@@ -104,8 +105,9 @@ BEGIN
     RETURN (SELECT s.state FROM broker.conversation_group_state s
             WHERE s.conversation_group_id = get_conversation_group_state.conversation_group);
 END $$;
-COMMENT ON FUNCTION broker.get_conversation_group_state(uuid, uuid) IS
-    'The state kept for a conversation group that the caller holds (by its transaction, or by lock_token), or NULL.';
+COMMENT ON FUNCTION broker.get_conversation_group_state(uuid, uuid) IS $$The state kept for a conversation group (NULL
+when none), read by the reader that holds the group: by its transaction (which then holds the group until it ends;
+BR041 while another reader holds it), or by its live lease's `lock_token` (BR060 when lost).$$;
 GRANT EXECUTE ON FUNCTION broker.get_conversation_group_state(uuid,uuid) TO broker_application;
 
 -- Keeps state for a conversation group the caller holds (NULL: forgets it),
@@ -132,6 +134,8 @@ BEGIN
     VALUES (conversation_group, set_conversation_group_state.state)
     ON CONFLICT (conversation_group_id) DO UPDATE SET state = excluded.state, updated_at = now();
 END $$;
-COMMENT ON FUNCTION broker.set_conversation_group_state(uuid, jsonb, uuid) IS
-    'Keeps state for a conversation group that the caller holds (NULL forgets it).';
+COMMENT ON FUNCTION broker.set_conversation_group_state(uuid, jsonb, uuid) IS $$Keeps state for a conversation group,
+written by the reader that holds it: by its transaction (which then holds the group until it ends; BR041 while another
+reader holds it), or by its live lease's `lock_token` (BR060 when lost). NULL forgets it; at most the node's message
+size (BR051); it goes with the group.$$;
 GRANT EXECUTE ON FUNCTION broker.set_conversation_group_state(uuid,jsonb,uuid) TO broker_application;

@@ -17,8 +17,8 @@ BEGIN
     UPDATE broker.endpoints SET timer_at = broker._settable_time('a timer', now() + timeout)
     WHERE endpoints.conversation_handle = e.conversation_handle;
 END $$;
-COMMENT ON FUNCTION broker.begin_conversation_timer(uuid, interval) IS
-    'After timeout, a broker.dialog_timer message arrives on this side of the conversation.';
+COMMENT ON FUNCTION broker.begin_conversation_timer(uuid, interval) IS $$After `timeout`, a `broker.dialog_timer`
+message arrives on this side of the conversation.$$;
 GRANT EXECUTE ON FUNCTION broker.begin_conversation_timer(uuid,interval) TO broker_application;
 
 -- broker._lock_endpoint, or a NULL endpoint without waiting when another
@@ -77,11 +77,11 @@ BEGIN
     END LOOP;
     -- Held messages of local conversations whose delivery time has come, each
     -- conversation's in order; the earliest held message of a conversation is
-    -- always one with a delivery time of its own, in transmission_queue_held.
+    -- always one with a delivery time of its own, in transmission_log_held.
     FOR due IN
         SELECT DISTINCT t.conversation_handle
         FROM broker.services s
-        JOIN broker.transmission_queue t
+        JOIN broker.transmission_log t
           ON t.to_service = s.name AND t.next_attempt_at > t.enqueued_at AND t.next_attempt_at <= due_by
         JOIN broker.endpoints sender ON sender.conversation_handle = t.conversation_handle AND sender.far_is_local
         WHERE target_queue_id IS NULL OR s.queue_id = target_queue_id
@@ -90,14 +90,12 @@ BEGIN
         e := broker._try_lock_endpoint(due.conversation_handle);
         CONTINUE WHEN e.conversation_handle IS NULL;
         FOR held IN
-            SELECT t.* FROM broker.transmission_queue t
-            WHERE t.to_service = e.far_service AND t.priority = e.priority
-              AND t.conversation_handle = e.conversation_handle AND t.next_attempt_at <= due_by
+            SELECT t.* FROM broker.transmission_log t
+            WHERE t.conversation_handle = e.conversation_handle AND t.next_attempt_at <= due_by
             ORDER BY t.message_sequence_number
         LOOP
-            DELETE FROM broker.transmission_queue t
-            WHERE t.to_service = held.to_service AND t.priority = held.priority
-              AND t.conversation_handle = held.conversation_handle
+            DELETE FROM broker.transmission_log t
+            WHERE t.conversation_handle = held.conversation_handle
               AND t.message_sequence_number = held.message_sequence_number;
             PERFORM broker._deliver(broker._far_endpoint(e), held.message_sequence_number,
                                     (SELECT mt FROM broker.message_types mt WHERE mt.message_type_id = held.message_type_id),
@@ -106,9 +104,7 @@ BEGIN
         END LOOP;
         UPDATE broker.endpoints SET held_until = NULL
         WHERE conversation_handle = e.conversation_handle
-          AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
-                          WHERE t.to_service = e.far_service AND t.priority = e.priority
-                            AND t.conversation_handle = e.conversation_handle);
+          AND NOT EXISTS (SELECT 1 FROM broker.transmission_log t WHERE t.conversation_handle = e.conversation_handle);
     END LOOP;
     RETURN fired;
 END $$;
@@ -118,6 +114,7 @@ CREATE OR REPLACE FUNCTION broker.fire_due_events() RETURNS integer
 LANGUAGE sql AS $$
     SELECT broker._fire_due_events(NULL)
 $$;
-COMMENT ON FUNCTION broker.fire_due_events() IS
-    'Fires the conversation timers and lifetimes that are due, and delivers held local messages that are due, on every queue; returns how many.  A running node calls it every quarter second.';
+COMMENT ON FUNCTION broker.fire_due_events() IS $$Fires the conversation timers and lifetimes that are due, and
+delivers held local messages that are due, on every queue; returns how many. A running node calls it every quarter
+second, and a `receive` fires those of its own queue.$$;
 GRANT EXECUTE ON FUNCTION broker.fire_due_events() TO broker_relay;

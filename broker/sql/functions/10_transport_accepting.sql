@@ -65,8 +65,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     forgot_it boolean := NOT e.is_initiator AND e.receive_sequence > 0 AND reason LIKE 'unknown conversation %';
 BEGIN
-    DELETE FROM broker.transmission_queue
-    WHERE to_service = e.far_service AND priority = e.priority AND conversation_handle = e.conversation_handle;
+    PERFORM broker._take_waiting(e.conversation_handle);
     IF e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
         UPDATE broker.endpoints SET state = 'error', timer_at = NULL WHERE conversation_handle = e.conversation_handle;
         PERFORM broker._enqueue(e, 0, (broker._message_type('broker.error')).message_type_id, CASE
@@ -537,8 +536,9 @@ BEGIN
             sequence_number WITH OPTIONS NOT NULL, message_type WITH OPTIONS NOT NULL) ON COMMIT DELETE ROWS;
     END IF;
 END $$;
-COMMENT ON FUNCTION broker.stage_batch() IS
-    'Makes the session''s temporary table incoming_batch, which broker.accept_batch reads, unless it has it.';
+COMMENT ON FUNCTION broker.stage_batch() IS $$(node) Makes the session's temporary table `incoming_batch` (rows of
+`wire_message`, emptied at commit), which `accept_batch` reads, unless the session has it. A node calls it before it
+copies in a batch a peer sent.$$;
 GRANT EXECUTE ON FUNCTION broker.stage_batch() TO broker_relay;
 
 -- The batch is in pg_temp.incoming_batch (rows of broker.wire_message,
@@ -620,8 +620,11 @@ BEGIN
                                                         FROM broker.node),
                               'results', not_the_senders || in_bulk || one_by_one);
 END $$;
-COMMENT ON FUNCTION broker.accept_batch(uuid) IS
-    'Stores what comes next of each conversation of the batch in pg_temp.incoming_batch; returns the acknowledgements.';
+COMMENT ON FUNCTION broker.accept_batch(uuid) IS $$(node) Accepts the batch a peer node (`from_instance`) sent, copied
+into `pg_temp.incoming_batch`: stores what comes next of each of its conversations, opening those that begin, and
+returns the answer (JSON: this node's `broker_instance`, its `tombstone_retention_s`, and a result per conversation
+side: what it acknowledged and held, or why it was refused). A conversation that is not the sender's is refused as
+unknown (BR005), and a malformed `traceparent` refuses the whole batch (SQLSTATE 23514).$$;
 GRANT EXECUTE ON FUNCTION broker.accept_batch(uuid) TO broker_relay;
 
 -- A batch in pg_temp.incoming_transport_batch (rows of
@@ -639,6 +642,7 @@ BEGIN
     FROM pg_temp.incoming_transport_batch b;
     RETURN broker.accept_batch(from_instance);
 END $$;
-COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS
-    'broker.accept_batch of a batch in pg_temp.incoming_transport_batch, as a node of the release before revision 0035 stages it.';
+COMMENT ON FUNCTION broker.accept_transport_batch(uuid) IS $$(node) `accept_batch` of a batch in
+`pg_temp.incoming_transport_batch` (rows of `transport_message`, wire version 3), as a node of the release before
+revision 0035 stages it.$$;
 GRANT EXECUTE ON FUNCTION broker.accept_transport_batch(uuid) TO broker_relay;

@@ -9,76 +9,196 @@
 -- The next batch for a destination, as rows of broker.wire_message for
 -- COPY, for the conversations whose handles fall in [first_handle,
 -- last_handle]: a relay splits the conversations among lanes that send at
--- once.  The waiting messages are read service by service and priority by
--- priority in the order of the primary key, up to max_messages each, and the
--- first max_messages of those, the highest priority first, are taken, rather
--- than all of them sorted: a long
--- queue costs a batch no more than a short one, and messages waiting for
--- other destinations (a peer down for days) are not read at all, nor those
--- whose conversations wait for a retry after a failure.  The
--- batch is cut where its bodies and headers reach max_bytes.  The first
--- message always goes, whatever its size, so that a message at the size limit
--- still travels alone.  A message's share is its body and the texts that
--- travel with it (its traceparent among them), plus 100 bytes for the
--- fixed-size fields and lengths of its row in the binary COPY format.  The
--- numbers taken are recorded in broker.transmission_progress, in the relay's
--- transaction that commits before the batch leaves.
+-- once.  Two kinds of messages are read.  The log past the lane's cursor
+-- (broker.transmission_cursors), service by service and priority by priority
+-- in the order of position, up to max_messages each, passing over what the
+-- far node acknowledged, and the conversations that wait in
+-- broker.transmission_retries: a long backlog costs a batch no more than a
+-- short one, no message is deleted or changed once sent, and messages waiting
+-- for other destinations are not read at all.  A conversation whose message
+-- is held (until its delivery time, or behind a failure of its own) is
+-- passed over from that message on, and waits in transmission_retries until
+-- then.  And the conversations of transmission_retries that are due, by
+-- their numbers.  Of both, the first max_messages, the highest priority
+-- first, are taken, and the batch is cut where its bodies and headers reach
+-- max_bytes.  The first message always goes, whatever its size, so that a
+-- message at the size limit still travels alone.  A message's share is its
+-- body and the texts that travel with it (its traceparent among them), plus
+-- 100 bytes for the fixed-size fields and lengths of its row in the binary
+-- COPY format.  The numbers taken are recorded in
+-- broker.transmission_progress, in the relay's transaction that commits
+-- before the batch leaves; where the cursor may move once the far node has
+-- answered is kept in the session's setting broker.batch_cursor, for
+-- broker.apply_transport_results.  While a failure of the whole lane waits
+-- for its retry, nothing is read.
 CREATE OR REPLACE FUNCTION broker.next_batch(destination text, max_messages integer, max_bytes bigint,
                                              first_handle uuid, last_handle uuid)
 RETURNS SETOF broker.wire_message
 LANGUAGE plpgsql AS $$
-DECLARE  -- conversations held back after a failure: seldom any, so each message is looked at only then
-    holds_back boolean := EXISTS (SELECT 1 FROM broker.transmission_failures f
-                                  WHERE f.address = destination AND f.next_attempt_at > now());
-BEGIN  -- plpgsql rather than sql: the plan is kept between batches, not made again for each
+DECLARE
+    lane broker.transmission_cursors;
+    log_end bigint;
+    seen pg_snapshot;
+    held_back boolean;  -- conversations held back after a failure: seldom any, so each message is looked at only then
+    retrying boolean;
+BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made again for each
+    PERFORM broker._drain_transmission_queue();
+    IF EXISTS (SELECT 1 FROM broker.transmission_failures f
+               WHERE f.address = destination AND f.next_attempt_at > now()
+                 AND f.first_handle <= next_batch.first_handle AND f.last_handle >= next_batch.last_handle) THEN
+        RETURN;
+    END IF;
+    INSERT INTO broker.transmission_cursors AS c (address, first_handle, last_handle)
+    VALUES (destination, next_batch.first_handle, next_batch.last_handle)
+    ON CONFLICT ON CONSTRAINT transmission_cursors_pkey DO UPDATE SET address = c.address
+    RETURNING * INTO lane;
+    PERFORM set_config('broker.batch_cursor', json_build_object(
+        'address', destination, 'first_handle', next_batch.first_handle, 'last_handle', next_batch.last_handle)::text,
+        false);
+    -- Where the log ends, then the transactions open: each statement sees the
+    -- database anew, so a transaction that took a position up to log_end had
+    -- its id before the snapshot of the next statement was taken.
+    log_end := (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM broker.transmission_log_position);
+    seen := pg_current_snapshot();
+    held_back := EXISTS (SELECT 1 FROM broker.transmission_failures f
+                         WHERE f.address = destination AND f.next_attempt_at > now());
+    retrying := EXISTS (SELECT 1 FROM broker.transmission_retries r
+                        JOIN broker.routes rt ON rt.service_name = r.to_service AND rt.address = destination);
+    -- The rows are carried by their place in the table (ctid) and the length
+    -- of their bodies, and the bodies read once, for the rows that go.
     RETURN QUERY
-    WITH batch AS (
+    WITH fetched AS (  -- the log past the cursor
+        SELECT t.row_id, t.position, t.conversation_handle, t.message_sequence_number, t.to_service,
+               t.priority, t.next_attempt_at, t.message_id, t.message_type_id, octet_length(t.body) AS body_bytes,
+               t.traceparent
+        FROM broker.routes r, generate_series(10, 1, -1) AS p(priority),
+             LATERAL (SELECT t.ctid AS row_id, t.* FROM broker.transmission_log t
+                      LEFT JOIN broker.transmission_progress a ON a.conversation_handle = t.conversation_handle
+                      WHERE t.to_service = r.service_name AND t.priority = p.priority
+                        AND t.position > lane.read_position
+                        AND t.conversation_handle BETWEEN next_batch.first_handle AND next_batch.last_handle
+                        AND t.message_sequence_number > coalesce(a.acknowledged_sequence, 0)
+                        AND NOT (retrying AND EXISTS (SELECT 1 FROM broker.transmission_retries w
+                                                      WHERE w.conversation_handle = t.conversation_handle))
+                      ORDER BY t.position
+                      LIMIT max_messages) t
+        WHERE r.address = destination
+    ), flagged AS (
+        SELECT f.*, CASE WHEN f.next_attempt_at > now() THEN f.next_attempt_at
+                         WHEN held_back THEN (SELECT max(x.next_attempt_at) FROM broker.transmission_failures x
+                                              WHERE x.address = destination AND x.next_attempt_at > now()
+                                                AND f.conversation_handle BETWEEN x.first_handle AND x.last_handle)
+                         END AS held_until
+        FROM fetched f
+    ), holds AS (  -- a conversation whose message is held waits from that message on
+        SELECT x.conversation_handle, x.to_service, x.priority, min(x.message_sequence_number) AS from_number,
+               min(x.held_until) AS held_until
+        FROM flagged x WHERE x.held_until IS NOT NULL
+        GROUP BY x.conversation_handle, x.to_service, x.priority
+    ), held AS (
+        INSERT INTO broker.transmission_retries (conversation_handle, to_service, priority, next_attempt_at)
+        SELECT h.conversation_handle, h.to_service, h.priority, h.held_until FROM holds h
+        ON CONFLICT (conversation_handle) DO NOTHING
+    ), due AS (  -- the conversations of transmission_retries whose time has come
+        SELECT r.*, coalesce(r.first_number, coalesce(a.acknowledged_sequence, 0) + 1) AS from_number
+        FROM broker.transmission_retries r
+        JOIN broker.routes rt ON rt.service_name = r.to_service AND rt.address = destination
+        LEFT JOIN broker.transmission_progress a ON a.conversation_handle = r.conversation_handle
+        WHERE retrying AND r.next_attempt_at <= now()
+          AND r.conversation_handle BETWEEN next_batch.first_handle AND next_batch.last_handle
+          AND NOT (held_back AND EXISTS (SELECT 1 FROM broker.transmission_failures x
+                                         WHERE x.address = destination AND x.next_attempt_at > now()
+                                           AND r.conversation_handle BETWEEN x.first_handle AND x.last_handle))
+        ORDER BY r.priority DESC, r.next_attempt_at
+        LIMIT max_messages
+    ), numbered AS (  -- their messages by number, up to the first held one
+        SELECT t.*, bool_or(t.next_attempt_at > now())
+                        OVER (PARTITION BY t.conversation_handle ORDER BY t.message_sequence_number) AS held
+        FROM due d,
+             LATERAL (SELECT t.ctid AS row_id, t.conversation_handle, t.message_sequence_number, t.priority,
+                             t.next_attempt_at, t.message_id, t.message_type_id, octet_length(t.body) AS body_bytes,
+                             t.traceparent
+                      FROM broker.transmission_log t
+                      WHERE t.conversation_handle = d.conversation_handle
+                        AND t.message_sequence_number >= d.from_number
+                      ORDER BY t.message_sequence_number
+                      LIMIT max_messages) t
+    ), postponed AS (  -- a conversation whose next message is held waits until its time
+        UPDATE broker.transmission_retries r SET next_attempt_at = n.next_attempt_at
+        FROM (SELECT DISTINCT ON (n.conversation_handle) n.conversation_handle, n.next_attempt_at
+              FROM numbered n ORDER BY n.conversation_handle, n.message_sequence_number) n
+        WHERE r.conversation_handle = n.conversation_handle AND n.next_attempt_at > now()
+    ), candidates AS (
+        SELECT x.row_id, x.conversation_handle, x.message_sequence_number, x.priority, x.position AS log_position,
+               x.message_id, x.message_type_id, x.body_bytes, x.traceparent
+        FROM flagged x
+        WHERE NOT EXISTS (SELECT 1 FROM holds h WHERE h.conversation_handle = x.conversation_handle
+                                                 AND x.message_sequence_number >= h.from_number)
+        UNION ALL
+        SELECT n.row_id, n.conversation_handle, n.message_sequence_number, n.priority, NULL, n.message_id,
+               n.message_type_id, n.body_bytes, n.traceparent
+        FROM numbered n WHERE NOT n.held
+    ), batch AS (
         SELECT sized.*
-        FROM (SELECT due.conversation_handle, e.conversation_id, e.is_initiator, s.name AS from_service,
+        FROM (SELECT b.row_id, b.conversation_handle, e.conversation_id, e.is_initiator, s.name AS from_service,
                      e.far_service AS to_service, c.name AS contract, e.expires_at,
-                     due.message_sequence_number AS sequence_number, due.message_id, mt.name AS message_type,
-                     due.body, due.traceparent,
-                     sum(100 + coalesce(octet_length(due.body), 0) + octet_length(s.name)
+                     b.message_sequence_number AS sequence_number, b.message_id, mt.name AS message_type,
+                     b.traceparent, b.log_position,
+                     sum(100 + coalesce(b.body_bytes, 0) + octet_length(s.name)
                          + octet_length(e.far_service) + octet_length(c.name) + octet_length(mt.name)
-                         + coalesce(octet_length(due.traceparent), 0))
-                         OVER (ORDER BY due.priority DESC, due.conversation_handle, due.message_sequence_number)
+                         + coalesce(octet_length(b.traceparent), 0))
+                         OVER (ORDER BY b.priority DESC, b.conversation_handle, b.message_sequence_number)
                          AS bytes_so_far,
-                     row_number() OVER (ORDER BY due.priority DESC, due.conversation_handle,
-                                                 due.message_sequence_number) AS place
-              FROM (SELECT t.* FROM broker.routes r, generate_series(10, 1, -1) AS p(priority),
-                         LATERAL (SELECT t.* FROM broker.transmission_queue t
-                                  WHERE t.to_service = r.service_name AND t.priority = p.priority
-                                    AND t.conversation_handle BETWEEN first_handle AND last_handle
-                                    AND t.next_attempt_at <= now()
-                                    AND (NOT holds_back
-                                         OR NOT EXISTS (SELECT 1 FROM broker.transmission_failures f
-                                                        WHERE f.address = destination AND f.next_attempt_at > now()
-                                                          AND t.conversation_handle
-                                                              BETWEEN f.first_handle AND f.last_handle))
-                                  ORDER BY t.conversation_handle, t.message_sequence_number
-                                  LIMIT max_messages) t
-                    WHERE r.address = destination
-                    ORDER BY t.priority DESC, t.conversation_handle, t.message_sequence_number
-                    LIMIT max_messages) due
-              JOIN broker.endpoints e ON e.conversation_handle = due.conversation_handle AND NOT e.far_is_local
+                     row_number() OVER (ORDER BY b.priority DESC, b.conversation_handle,
+                                                 b.message_sequence_number) AS place
+              FROM candidates b
+              JOIN broker.endpoints e ON e.conversation_handle = b.conversation_handle AND NOT e.far_is_local
               JOIN broker.services s ON s.service_id = e.service_id
               JOIN broker.contracts c ON c.contract_id = e.contract_id
-              JOIN broker.message_types mt ON mt.message_type_id = due.message_type_id) sized
-        WHERE sized.place = 1 OR sized.bytes_so_far <= max_bytes
+              JOIN broker.message_types mt ON mt.message_type_id = b.message_type_id) sized
+        WHERE sized.place = 1 OR (sized.place <= max_messages AND sized.bytes_so_far <= max_bytes)
+    ), unread AS (  -- the log's messages read and not taken, and what a priority that filled did not read
+        SELECT least((SELECT min(c.log_position) - 1 FROM candidates c
+                      WHERE c.log_position IS NOT NULL
+                        AND NOT EXISTS (SELECT 1 FROM batch b WHERE b.conversation_handle = c.conversation_handle
+                                                                AND b.sequence_number = c.message_sequence_number)),
+                     (SELECT min(g.last_fetched)
+                      FROM (SELECT max(f.position) AS last_fetched, count(*) AS fetched
+                            FROM fetched f GROUP BY f.to_service, f.priority) g
+                      WHERE g.fetched >= max_messages)) AS below
     ), recorded AS (
         INSERT INTO broker.transmission_progress AS p (conversation_handle, transmitted_sequence)
         SELECT b.conversation_handle, max(b.sequence_number) FROM batch b GROUP BY b.conversation_handle
         ON CONFLICT (conversation_handle) DO UPDATE
         SET previously_transmitted = p.transmitted_sequence,
             transmitted_sequence = greatest(p.transmitted_sequence, excluded.transmitted_sequence)
+    ), moved AS (  -- where the cursor goes once the far node has answered (broker.apply_transport_results)
+        UPDATE broker.transmission_cursors c
+        SET pending_read_position = CASE WHEN pg_snapshot_xmin(seen) >= lane.seen_xmax
+                                         THEN greatest(lane.read_position,
+                                                       least(lane.seen_position, (SELECT below FROM unread)))
+                                         ELSE lane.read_position END,
+            pending_seen_position = CASE WHEN pg_snapshot_xmin(seen) >= lane.seen_xmax
+                                         THEN log_end ELSE lane.seen_position END,
+            pending_seen_xmax = CASE WHEN pg_snapshot_xmin(seen) >= lane.seen_xmax
+                                     THEN pg_snapshot_xmax(seen) ELSE lane.seen_xmax END
+        WHERE c.address = lane.address AND c.first_handle = lane.first_handle AND c.last_handle = lane.last_handle
     )
     SELECT b.conversation_id, b.is_initiator, b.from_service, b.to_service, b.contract, b.expires_at,
-           b.sequence_number, b.message_id, b.message_type, b.body, b.traceparent
+           b.sequence_number, b.message_id, b.message_type, t.body, b.traceparent
     FROM batch b
+    JOIN broker.transmission_log t ON t.ctid = b.row_id
     ORDER BY b.place;
+    IF NOT FOUND THEN  -- nothing waits for an answer: the cursor moves now
+        PERFORM broker._move_cursor(lane.address, lane.first_handle, lane.last_handle);
+    END IF;
 END $$;
-COMMENT ON FUNCTION broker.next_batch(text, integer, bigint, uuid, uuid) IS
-    'The next batch for a destination: the lowest waiting numbers of its conversations between the handles, up to a count and a size.';
+COMMENT ON FUNCTION broker.next_batch(text, integer, bigint, uuid, uuid) IS $$(relay) The next batch for a destination
+(a node's address), as rows of `wire_message`: the waiting messages of its conversations whose handles lie between
+`first_handle` and `last_handle` (a relay's lane), read from the transmission log by position and, for the
+conversations held back before, by number, the highest priority first, up to `max_messages` and `max_bytes` (the
+first message always goes), passing over conversations that wait for a retry after a failure. The numbers taken are
+recorded in `transmission_progress`.$$;
 GRANT EXECUTE ON FUNCTION broker.next_batch(text,integer,bigint,uuid,uuid) TO broker_relay;
 
 -- The next batch as rows of broker.transport_message (wire version 3), as the
@@ -92,25 +212,75 @@ LANGUAGE sql AS $$
            b.sequence_number, b.message_type, b.body, b.traceparent
     FROM broker.next_batch(destination, max_messages, max_bytes, first_handle, last_handle) b;
 $$;
-COMMENT ON FUNCTION broker.transport_batch(text, integer, bigint, uuid, uuid) IS
-    'broker.next_batch without message ids (wire version 3), for a relay of the release before revision 0035.';
+COMMENT ON FUNCTION broker.transport_batch(text, integer, bigint, uuid, uuid) IS $$(relay) `next_batch` without
+message ids (rows of `transport_message`, wire version 3), for a relay of the release before revision 0035.$$;
 GRANT EXECUTE ON FUNCTION broker.transport_batch(text,integer,bigint,uuid,uuid) TO broker_relay;
 
--- Applies a destination node's answer in one transaction: deletes what it
--- acknowledged (keeping it for broker.node.resend_window), ends what it
--- refused.  Returns how many messages were delivered.  Every acknowledgement
--- is applied by one DELETE and one UPDATE; refusals and hold-backs are rare and
+-- Takes a lane's cursor where the batch read last left it pending
+-- (broker.next_batch): the far node has answered that batch.
+CREATE OR REPLACE FUNCTION broker._move_cursor(destination text, lane_first uuid, lane_last uuid) RETURNS void
+LANGUAGE sql AS $$
+    UPDATE broker.transmission_cursors c
+    SET read_position = c.pending_read_position, seen_position = c.pending_seen_position,
+        seen_xmax = c.pending_seen_xmax, pending_read_position = NULL, pending_seen_position = NULL,
+        pending_seen_xmax = NULL
+    WHERE c.address = destination AND c.first_handle = lane_first AND c.last_handle = lane_last
+      AND c.pending_read_position IS NOT NULL;
+$$;
+GRANT EXECUTE ON FUNCTION broker._move_cursor(text,uuid,uuid) TO broker_relay;
+
+-- What a node of the release before revision 0037 left in
+-- broker.transmission_queue while it served a database migrated ahead of it
+-- goes to the transmission log, and its conversations are read by number
+-- (broker.transmission_retries), so that each goes on in order.  Nothing is
+-- left there once no node of that release serves.
+CREATE OR REPLACE FUNCTION broker._drain_transmission_queue() RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM broker.transmission_queue) THEN
+        WITH moved AS (
+            DELETE FROM broker.transmission_queue t RETURNING t.*
+        ), appended AS (
+            INSERT INTO broker.transmission_log (conversation_handle, message_sequence_number, conversation_id,
+                                                 to_service, priority, message_type_id, body, enqueued_at,
+                                                 next_attempt_at, traceparent, message_id)
+            SELECT m.conversation_handle, m.message_sequence_number, m.conversation_id, m.to_service, m.priority,
+                   m.message_type_id, m.body, m.enqueued_at,
+                   CASE WHEN m.attempts = 0 THEN m.next_attempt_at ELSE m.enqueued_at END, m.traceparent,
+                   coalesce(m.message_id, gen_random_uuid())
+            FROM moved m
+            ORDER BY m.conversation_handle, m.message_sequence_number
+            ON CONFLICT ON CONSTRAINT transmission_log_pkey DO NOTHING
+        )
+        INSERT INTO broker.transmission_retries AS r (conversation_handle, to_service, priority)
+        SELECT DISTINCT m.conversation_handle, m.to_service, m.priority
+        FROM moved m
+        JOIN broker.endpoints e ON e.conversation_handle = m.conversation_handle AND NOT e.far_is_local
+        ON CONFLICT (conversation_handle) DO UPDATE SET next_attempt_at = now(), first_number = NULL;
+    END IF;
+END $$;
+GRANT EXECUTE ON FUNCTION broker._drain_transmission_queue() TO broker_relay;
+
+-- Applies a destination node's answer in one transaction: each conversation
+-- side's acknowledged number moves on (nothing is deleted or copied: the log
+-- keeps what was acknowledged for broker.node.resend_window), what it refused
+-- ends, and what it held back or did not take waits in
+-- broker.transmission_retries; then the lane's cursor moves past the batch
+-- (broker.next_batch).  Returns how many numbers were newly acknowledged.
+-- The work is per conversation, not per message, and refusals are rare and
 -- handled one by one.  The transaction that applies an answer commits without
 -- waiting for its WAL to reach the disk: if a crash loses it, the messages it
--- deleted are sent again and the far node acknowledges them as duplicates
--- (guarantee 3), so the relay need not wait for a flush in every cycle.
+-- acknowledged are sent again and the far node acknowledges them as
+-- duplicates (guarantee 3), so the relay need not wait for a flush in every
+-- cycle.
 --
 -- The answer is held to the batch it answers: the relay passes the highest
 -- number the batch carried of each conversation side it carried
 -- (sent_conversations, sent_by_initiator and last_sent, in step), and only the
 -- results for those apply, each acknowledging at most that number.  So no
 -- answer, however it is signed, acknowledges, refuses or holds back a message
--- it was not sent.  A result without a number acknowledges nothing.
+-- it was not sent.  A result without a number acknowledges nothing, and a
+-- side the answer says nothing of is sent again.
 --
 -- Every result says what the far node held before the batch came (held; a
 -- node of the release before revision 0035 leaves it out of a result that
@@ -139,36 +309,67 @@ DECLARE
     services text[];
     priorities smallint[];
     acknowledged bigint[];
-    reported bigint[];
-    held bigint[];
-    held_ids uuid[];
+    acknowledged_before bigint[];
     refusals text[];
     holds text[];
+    carried bigint[];
+    went_back_here_or_there uuid[];
     result record;
     went_back uuid[] := '{}';
     sent_again uuid[] := '{}';
     far_node_lost boolean := false;
     delivered bigint;
+    lane jsonb := nullif(current_setting('broker.batch_cursor', true), '')::jsonb;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
+    -- Each side of the batch with its result, and those whose result shows a
+    -- database that went back (see broker.transmission_progress).  A side
+    -- that ended here may have been acknowledged by a far node that had
+    -- forgotten the conversation (held only what it received before), so
+    -- held is compared only while this side converses.
     WITH sent AS (
         SELECT * FROM unnest(sent_conversations, sent_by_initiator, last_sent)
                       AS s(conversation_id, sender_is_initiator, last_sent)
+    ), answered_sides AS (
+        SELECT e.conversation_handle, e.far_service, e.priority, e.send_sequence, e.state, s.last_sent,
+               r.acknowledged AS reported, r.refused, r.waiting,
+               coalesce(r.held, CASE WHEN r.waiting IS NOT NULL THEN r.acknowledged END) AS held, r.held_message_id,
+               p.previously_transmitted, p.acknowledged_sequence
+        FROM jsonb_to_recordset(answer -> 'results')
+             AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, held bigint,
+                  held_message_id uuid, refused jsonb, waiting text)
+        JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
+        JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
+                               AND NOT e.far_is_local
+        LEFT JOIN broker.transmission_progress p ON p.conversation_handle = e.conversation_handle
     )
-    SELECT array_agg(e.conversation_handle), array_agg(e.far_service), array_agg(e.priority),
-           array_agg(least(coalesce(r.acknowledged, 0), s.last_sent)), array_agg(r.acknowledged),
-           array_agg(coalesce(r.held, CASE WHEN r.waiting IS NOT NULL THEN r.acknowledged END)),
-           array_agg(r.held_message_id),
-           array_agg(CASE WHEN r.refused IS NOT NULL
-                          THEN coalesce(r.refused ->> 'reason', 'no reason given') END),
-           array_agg(r.waiting)
-    INTO handles, services, priorities, acknowledged, reported, held, held_ids, refusals, holds
-    FROM jsonb_to_recordset(answer -> 'results')
-         AS r(conversation_id uuid, sender_is_initiator boolean, acknowledged bigint, held bigint,
-              held_message_id uuid, refused jsonb, waiting text)
-    JOIN sent s ON s.conversation_id = r.conversation_id AND s.sender_is_initiator = r.sender_is_initiator
-    JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
-                           AND NOT e.far_is_local;
+    SELECT array_agg(a.conversation_handle), array_agg(a.far_service), array_agg(a.priority),
+           array_agg(least(coalesce(a.reported, 0), a.last_sent)), array_agg(coalesce(a.acknowledged_sequence, 0)),
+           array_agg(CASE WHEN a.refused IS NOT NULL
+                          THEN coalesce(a.refused ->> 'reason', 'no reason given') END),
+           array_agg(a.waiting), array_agg(a.last_sent),
+           array_agg(a.conversation_handle) FILTER (WHERE
+               a.reported < a.acknowledged_sequence OR a.held > a.previously_transmitted
+               OR a.reported > a.send_sequence
+               OR (a.held < a.acknowledged_sequence AND a.state IN ('conversing', 'disconnected_outbound'))
+               OR (a.held > a.acknowledged_sequence AND a.held_message_id IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM broker.transmission_log t
+                               WHERE t.conversation_handle = a.conversation_handle
+                                 AND t.message_sequence_number = a.held
+                                 AND t.message_id IS DISTINCT FROM a.held_message_id)))
+    INTO handles, services, priorities, acknowledged, acknowledged_before, refusals, holds, carried,
+         went_back_here_or_there
+    FROM answered_sides a;
+    -- A side the answer says nothing of is sent again, by number.
+    IF coalesce(cardinality(handles), 0) < cardinality(sent_conversations) THEN
+        INSERT INTO broker.transmission_retries (conversation_handle, to_service, priority)
+        SELECT e.conversation_handle, e.far_service, e.priority
+        FROM unnest(sent_conversations, sent_by_initiator) AS s(conversation_id, sender_is_initiator)
+        JOIN broker.endpoints e ON e.conversation_id = s.conversation_id AND e.is_initiator = s.sender_is_initiator
+                               AND NOT e.far_is_local
+        WHERE e.conversation_handle <> ALL (coalesce(handles, '{}'))
+        ON CONFLICT (conversation_handle) DO UPDATE SET next_attempt_at = now(), first_number = NULL;
+    END IF;
 
     INSERT INTO broker.peer_retention AS p (broker_instance, tombstone_retention)
     SELECT e.far_broker_instance, make_interval(secs => (answer ->> 'tombstone_retention_s')::float8)
@@ -178,24 +379,16 @@ BEGIN
     SET tombstone_retention = excluded.tombstone_retention, learned_at = excluded.learned_at
     WHERE p.tombstone_retention <> excluded.tombstone_retention;
 
-    -- A side that ended here may have been acknowledged by a far node that
-    -- had forgotten the conversation (held only what it received before), so
-    -- held is compared only while this side converses.
-    FOR result IN
-        SELECT a.conversation_handle, a.reported, a.held, p.previously_transmitted, p.answered_sequence,
-               p.acknowledged_sequence, e.send_sequence
-        FROM unnest(handles, reported, held, held_ids) AS a(conversation_handle, reported, held, held_id)
-        JOIN broker.transmission_progress p ON p.conversation_handle = a.conversation_handle
-        JOIN broker.endpoints e ON e.conversation_handle = a.conversation_handle
-        WHERE a.reported < p.acknowledged_sequence OR a.held > p.previously_transmitted
-           OR a.reported > e.send_sequence
-           OR (a.held < p.acknowledged_sequence AND e.state IN ('conversing', 'disconnected_outbound'))
-           OR (a.held > p.acknowledged_sequence AND a.held_id IS NOT NULL
-               AND EXISTS (SELECT 1 FROM broker.transmission_queue t
-                           WHERE t.to_service = e.far_service AND t.priority = e.priority
-                             AND t.conversation_handle = e.conversation_handle
-                             AND t.message_sequence_number = a.held
-                             AND t.message_id IS DISTINCT FROM a.held_id))
+    FOR result IN  -- seldom any
+        SELECT e.conversation_handle, a.acknowledged AS reported,
+               coalesce(a.held, CASE WHEN a.waiting IS NOT NULL THEN a.acknowledged END) AS held,
+               p.previously_transmitted, p.answered_sequence, p.acknowledged_sequence, e.send_sequence
+        FROM broker.endpoints e
+        JOIN broker.transmission_progress p ON p.conversation_handle = e.conversation_handle
+        JOIN jsonb_to_recordset(answer -> 'results') AS a(conversation_id uuid, sender_is_initiator boolean,
+                                                            acknowledged bigint, held bigint, waiting text)
+          ON a.conversation_id = e.conversation_id AND a.sender_is_initiator = e.is_initiator
+        WHERE e.conversation_handle = ANY (went_back_here_or_there)
     LOOP
         IF result.reported < result.acknowledged_sequence THEN
             far_node_lost := true;
@@ -220,74 +413,82 @@ BEGIN
         FROM broker.endpoints e WHERE e.conversation_handle = handles[1];
     END IF;
 
-    -- The acknowledged rows are found conversation by conversation through the
-    -- primary key (OFFSET 0 keeps the planner from making the lateral subquery
-    -- a join), then deleted where they lie, and kept for the resend window.  As
-    -- a join, the plan could scan the whole transmission queue for every
-    -- answer: a long queue (a peer down for days) would make every batch
-    -- slower.  A row that another transaction changed meanwhile is not
-    -- deleted: it is sent again, and acknowledged as a duplicate.  Nothing is
-    -- deleted of a conversation whose answer showed a database that went back:
-    -- what that answer acknowledges is not what this side sent.
-    WITH acknowledged_rows AS (
-        SELECT d.ctid
-        FROM unnest(handles, services, priorities, acknowledged)
-                 AS a(conversation_handle, to_service, priority, acknowledged),
-             LATERAL (SELECT t.ctid FROM broker.transmission_queue t
-                      WHERE t.to_service = a.to_service AND t.priority = a.priority
-                        AND t.conversation_handle = a.conversation_handle
-                        AND t.message_sequence_number <= a.acknowledged
-                      OFFSET 0) d
-        WHERE a.conversation_handle <> ALL (went_back)
-    ), removed AS (
-        DELETE FROM broker.transmission_queue t
-        WHERE t.ctid = ANY (ARRAY(SELECT r.ctid FROM acknowledged_rows r))
-        RETURNING t.*
-    ), kept AS (
-        INSERT INTO broker.acknowledged_messages (conversation_handle, message_sequence_number, message_type_id,
-                                                  body, enqueued_at, traceparent, message_id)
-        SELECT r.conversation_handle, r.message_sequence_number, r.message_type_id, r.body, r.enqueued_at,
-               r.traceparent, r.message_id
-        FROM removed r
-        WHERE (SELECT n.resend_window > interval '0' FROM broker.node n)
-    )
-    SELECT count(*) INTO delivered FROM removed;
+    -- Each side's watermark moves on, unless its answer showed a database that
+    -- went back: what that answer acknowledges is not what this side sent.
     UPDATE broker.transmission_progress p
     SET acknowledged_sequence = greatest(p.acknowledged_sequence, a.acknowledged),
         answered_sequence = p.transmitted_sequence
     FROM unnest(handles, acknowledged) AS a(conversation_handle, acknowledged)
     WHERE p.conversation_handle = a.conversation_handle AND a.conversation_handle <> ALL (went_back);
+    delivered := (SELECT coalesce(sum(greatest(a.acknowledged - a.before, 0)), 0)
+                  FROM unnest(handles, acknowledged, acknowledged_before) AS a(conversation_handle, acknowledged, before)
+                  WHERE a.conversation_handle <> ALL (went_back));
     -- The far node answered for these: earlier failures no longer apply.
     DELETE FROM broker.transmission_failures f
     WHERE f.next_attempt_at <= now()
       AND f.address IN (SELECT r.address FROM broker.routes r WHERE r.service_name = ANY (services))
       AND EXISTS (SELECT 1 FROM unnest(handles) h WHERE h BETWEEN f.first_handle AND f.last_handle);
-    UPDATE broker.transmission_queue t
-    SET attempts = 0, transmission_status = 'sent; waiting for the numbers before it to be acknowledged'
-    FROM unnest(handles, refusals, holds) AS a(conversation_handle, refused, waiting)
-    WHERE t.conversation_handle = a.conversation_handle AND a.refused IS NULL AND a.waiting IS NULL
-      AND t.attempts > 0;
 
-    -- A conversation held back is tried again after a back-off that doubles
-    -- with each attempt, from a quarter of a second up to a minute.
+    -- What the far node did not take of the batch is read by number from now
+    -- on: the cursor moves past it.  A side held back is tried again after a
+    -- back-off that doubles with each attempt, from a quarter of a second up
+    -- to a minute.  A side that took all it was sent goes on by number while
+    -- it waits in transmission_retries, and leaves them once the log holds
+    -- nothing more of it.
+    INSERT INTO broker.transmission_retries AS r (conversation_handle, to_service, priority, next_attempt_at,
+                                                  attempts, reason)
+    SELECT a.conversation_handle, a.to_service, a.priority,
+           now() + CASE WHEN a.waiting IS NOT NULL THEN interval '250 milliseconds' ELSE interval '0' END,
+           CASE WHEN a.waiting IS NOT NULL THEN 1 ELSE 0 END, 'the far node holds it back: ' || a.waiting
+    FROM unnest(handles, services, priorities, acknowledged, carried, refusals, holds)
+         AS a(conversation_handle, to_service, priority, acknowledged, carried, refused, waiting)
+    WHERE a.refused IS NULL AND a.conversation_handle <> ALL (sent_again)
+      AND (a.waiting IS NOT NULL OR a.acknowledged < a.carried OR a.conversation_handle = ANY (went_back))
+    ON CONFLICT (conversation_handle) DO UPDATE
+    SET next_attempt_at = CASE WHEN excluded.reason IS NULL THEN now()
+                               ELSE now() + least(interval '60 seconds', interval '250 milliseconds' * 2 ^ r.attempts) END,
+        attempts = CASE WHEN excluded.reason IS NULL THEN 0 ELSE r.attempts + 1 END,
+        reason = excluded.reason, first_number = NULL;
+    WITH settled AS (
+        SELECT a.conversation_handle,
+               EXISTS (SELECT 1 FROM broker.transmission_log t
+                       WHERE t.conversation_handle = a.conversation_handle
+                         AND t.message_sequence_number > a.acknowledged) AS more
+        FROM unnest(handles, acknowledged, carried, refusals, holds)
+             AS a(conversation_handle, acknowledged, carried, refused, waiting)
+        JOIN broker.transmission_retries r ON r.conversation_handle = a.conversation_handle
+        WHERE a.refused IS NULL AND a.waiting IS NULL AND a.acknowledged >= a.carried
+          AND a.conversation_handle <> ALL (went_back)
+    ), going_on AS (
+        UPDATE broker.transmission_retries r
+        SET next_attempt_at = now(), attempts = 0, reason = NULL, first_number = NULL
+        FROM settled s WHERE r.conversation_handle = s.conversation_handle AND s.more
+    )
+    DELETE FROM broker.transmission_retries r
+    USING settled s WHERE r.conversation_handle = s.conversation_handle AND NOT s.more;
+
     FOR result IN
-        SELECT * FROM unnest(handles, services, priorities, refusals, holds)
-                 AS a(conversation_handle, to_service, priority, refused, waiting)
-        WHERE (a.refused IS NOT NULL OR a.waiting IS NOT NULL) AND a.conversation_handle <> ALL (sent_again)
+        SELECT * FROM unnest(handles, refusals) AS a(conversation_handle, refused)
+        WHERE a.refused IS NOT NULL AND a.conversation_handle <> ALL (sent_again)
     LOOP
-        IF result.refused IS NOT NULL THEN
-            PERFORM broker._refused_by_far_side(broker._lock_endpoint(result.conversation_handle), result.refused);
-        ELSE
-            UPDATE broker.transmission_queue
-            SET transmission_status = 'the far node holds it back: ' || result.waiting,
-                attempts = attempts + 1,
-                next_attempt_at = now() + least(interval '60 seconds', interval '250 milliseconds' * 2 ^ attempts)
-            WHERE to_service = result.to_service AND priority = result.priority
-              AND conversation_handle = result.conversation_handle;
-        END IF;
+        PERFORM broker._refused_by_far_side(broker._lock_endpoint(result.conversation_handle), result.refused);
     END LOOP;
+    IF delivered > 0 THEN  -- an endpoint closed while its last messages waited can be forgotten now
+        PERFORM broker.forget_closed_endpoints(4);
+    END IF;
+    IF lane IS NOT NULL THEN
+        PERFORM broker._move_cursor(lane ->> 'address', (lane ->> 'first_handle')::uuid, (lane ->> 'last_handle')::uuid);
+        PERFORM set_config('broker.batch_cursor', '', false);
+    END IF;
     RETURN delivered;
 END $$;
+COMMENT ON FUNCTION broker.apply_transport_results(jsonb, uuid[], boolean[], bigint[]) IS $$(relay) Applies a
+destination node's answer to the batch it was sent (`sent_conversations`, `sent_by_initiator` and `last_sent`: the
+highest number the batch carried of each conversation side), in one transaction: moves on what it acknowledged (kept
+in the transmission log for `broker.node.resend_window`), ends what it refused, and tries again later what it held
+back (after a quarter of a second, doubling up to a minute). An answer that shows a database gone back to an earlier
+point, here or there, sends again, renumbers or probes, and records it in `lost_messages`. Returns how many messages
+were delivered.$$;
 GRANT EXECUTE ON FUNCTION broker.apply_transport_results(jsonb, uuid[], boolean[], bigint[]) TO broker_relay;
 
 -- The answer applied to the batch in pg_temp.sent_transport_batch, as the
@@ -306,16 +507,41 @@ BEGIN
           GROUP BY conversation_id, sender_is_initiator) b;
     RETURN broker.apply_transport_results(answer, sides.conversations, sides.by_initiator, sides.last_sent);
 END $$;
+COMMENT ON FUNCTION broker.apply_transport_results(jsonb) IS $$(relay) `apply_transport_results` of the batch in
+`pg_temp.sent_transport_batch`, as the relay of a release before revision 0031 copies it there.$$;
 GRANT EXECUTE ON FUNCTION broker.apply_transport_results(jsonb) TO broker_relay;
+
+-- Puts back in the transmission log what the release before revision 0037
+-- kept of a conversation side's numbers first_number to last_number in its
+-- resend window (broker.acknowledged_messages), which it kept apart.
+CREATE OR REPLACE FUNCTION broker._restore_kept(handle uuid, first_number bigint, last_number bigint) RETURNS void
+LANGUAGE sql AS $$
+    WITH taken_back AS (
+        DELETE FROM broker.acknowledged_messages k
+        WHERE k.conversation_handle = handle AND k.message_sequence_number BETWEEN first_number AND last_number
+        RETURNING k.*
+    )
+    INSERT INTO broker.transmission_log (conversation_handle, message_sequence_number, conversation_id, to_service,
+                                         priority, message_type_id, body, enqueued_at, traceparent, message_id)
+    SELECT k.conversation_handle, k.message_sequence_number, e.conversation_id, e.far_service, e.priority,
+           k.message_type_id, k.body, k.enqueued_at, k.traceparent, coalesce(k.message_id, gen_random_uuid())
+    FROM taken_back k
+    JOIN broker.endpoints e ON e.conversation_handle = k.conversation_handle
+    ORDER BY k.message_sequence_number
+    ON CONFLICT ON CONSTRAINT transmission_log_pkey DO NOTHING;
+$$;
+GRANT EXECUTE ON FUNCTION broker._restore_kept(uuid,bigint,bigint) TO broker_relay;
 
 -- The far node lost the numbers after held up to acknowledged of a
 -- conversation side's messages, which it had acknowledged: its database went
--- back to an earlier point.  They go to the transmission queue again, from the
--- resend window (broker.acknowledged_messages), in order and before the
--- messages that wait.  When the window no longer holds them all, the
--- conversation ends with broker.error code -4 on both sides (the far node
--- takes the error across the numbers it lacks).  Either way the loss is
--- recorded in broker.lost_messages.  Returns whether they were sent again.
+-- back to an earlier point.  They are sent again from the transmission log,
+-- in order and before the messages that wait (the side is read by number,
+-- from held + 1: broker.transmission_retries).  When the log no longer holds
+-- them all within broker.node.resend_window of when they were sent (it may
+-- hold older ones until the relay forgets them), the conversation ends with
+-- broker.error code -4 on both sides (the far node takes the error across the
+-- numbers it lacks).  Either way the loss is recorded in broker.lost_messages.
+-- Returns whether they were sent again.
 CREATE OR REPLACE FUNCTION broker._send_again(handle uuid, held bigint, acknowledged bigint) RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -326,29 +552,26 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;  -- an application holds the conversation: the next answer finds the same
     END IF;
-    resent := (SELECT count(*) FROM broker.acknowledged_messages k
-               WHERE k.conversation_handle = handle AND k.message_sequence_number BETWEEN held + 1 AND acknowledged)
-              + (SELECT count(*) FROM broker.transmission_queue t  -- a probe (broker._probe)
-                 WHERE t.to_service = e.far_service AND t.priority = e.priority AND t.conversation_handle = handle
-                   AND t.message_sequence_number BETWEEN held + 1 AND acknowledged)
+    PERFORM broker._restore_kept(handle, held + 1, acknowledged);
+    resent := (SELECT count(*) FROM broker.transmission_log t
+               WHERE t.conversation_handle = handle AND t.message_sequence_number BETWEEN held + 1 AND acknowledged
+                 AND t.enqueued_at >= now() - (SELECT n.resend_window FROM broker.node n))
               = acknowledged - held;
     IF resent THEN
-        WITH taken_back AS (
-            DELETE FROM broker.acknowledged_messages k
-            WHERE k.conversation_handle = handle AND k.message_sequence_number BETWEEN held + 1 AND acknowledged
-            RETURNING k.*
-        )
-        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body, enqueued_at, transmission_status,
-                                               priority, traceparent, message_id)
-        SELECT handle, k.message_sequence_number, e.conversation_id, e.far_service, k.message_type_id, k.body,
-               k.enqueued_at, format('sent again: the far node lost it (its database went back to number %s)', held),
-               e.priority, k.traceparent, k.message_id
-        FROM taken_back k;
-    ELSIF e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
-        PERFORM broker._fail_conversation(e, -4, format(
-            'messages %s to %s of this conversation were lost: the far node''s database went back to an earlier '
-            'point, and this node no longer keeps them (broker.node.resend_window)', held + 1, acknowledged));
+        INSERT INTO broker.transmission_retries AS r (conversation_handle, to_service, priority, reason)
+        VALUES (handle, e.far_service, e.priority,
+                format('sent again: the far node lost it (its database went back to number %s)', held))
+        ON CONFLICT (conversation_handle) DO UPDATE
+        SET next_attempt_at = now(), attempts = 0, first_number = NULL, reason = excluded.reason;
+    ELSE  -- what the log still holds of them is older than the window: none goes
+        DELETE FROM broker.transmission_log t
+        WHERE t.conversation_handle = handle AND t.message_sequence_number BETWEEN held + 1 AND acknowledged;
+        IF e.state IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
+            PERFORM broker._fail_conversation(e, -4, format(
+                'messages %s to %s of this conversation were lost: the far node''s database went back to an '
+                'earlier point, and this node no longer keeps them (broker.node.resend_window)', held + 1,
+                acknowledged));
+        END IF;
     END IF;
     UPDATE broker.transmission_progress SET acknowledged_sequence = held WHERE conversation_handle = handle;
     PERFORM broker._record_lost_messages(e, 'sent', held + 1, acknowledged,
@@ -359,43 +582,43 @@ GRANT EXECUTE ON FUNCTION broker._send_again(uuid,bigint,bigint) TO broker_relay
 
 -- Asks the far node whether it still holds what it acknowledged of these
 -- conversation sides: the highest number it acknowledged of each goes again,
--- from the resend window, unless something of the conversation waits to be
--- sent (the next batch asks then).  A far node that holds it acknowledges it
--- as a duplicate; one that went back to an earlier point takes it again, or
--- asks for the numbers it lacks (broker.apply_transport_results).  Only sides
--- that converse are asked.  A question is enqueued now, not when its message
--- first was: it has not waited (broker.withhold_what_peers_forgot, the
--- backlog's age).  Returns how many were asked.
+-- from the transmission log while it is within the resend window
+-- (broker.transmission_retries, from that number),
+-- unless something of the conversation waits to be sent (the next batch asks
+-- then) or it waits for a retry already.  A far node that holds it
+-- acknowledges it as a duplicate; one that went back to an earlier point
+-- takes it again, or asks for the numbers it lacks
+-- (broker.apply_transport_results).  Only sides that converse are asked.
+-- Returns how many were asked.
 CREATE OR REPLACE FUNCTION broker._probe(handles uuid[]) RETURNS integer
-LANGUAGE sql AS $$
-    WITH asked_of AS (
-        SELECT k.ctid AS kept
-        FROM broker.transmission_progress p
-        JOIN broker.endpoints e ON e.conversation_handle = p.conversation_handle
-        JOIN broker.acknowledged_messages k ON k.conversation_handle = p.conversation_handle
-                                           AND k.message_sequence_number = p.acknowledged_sequence
-        WHERE p.conversation_handle = ANY (handles)
-          AND e.state IN ('conversing', 'disconnected_outbound') AND NOT e.far_is_local
-          AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
-                          WHERE t.to_service = e.far_service AND t.priority = e.priority
-                            AND t.conversation_handle = e.conversation_handle)
-        FOR UPDATE OF k SKIP LOCKED  -- another lane sends it again or asks already
-    ), taken AS (
-        DELETE FROM broker.acknowledged_messages k WHERE k.ctid = ANY (ARRAY(SELECT a.kept FROM asked_of a))
-        RETURNING k.*
-    ), asked AS (
-        INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id,
-                                               to_service, message_type_id, body, transmission_status, priority,
-                                               traceparent, message_id)
-        SELECT k.conversation_handle, k.message_sequence_number, e.conversation_id, e.far_service, k.message_type_id,
-               k.body, 'sent again to ask whether the far node still holds it', e.priority, k.traceparent,
-               k.message_id
-        FROM taken k
-        JOIN broker.endpoints e ON e.conversation_handle = k.conversation_handle
-        RETURNING 1
-    )
-    SELECT count(*)::integer FROM asked;
-$$;
+LANGUAGE plpgsql AS $$
+DECLARE
+    sides uuid[];
+    asked integer;
+BEGIN
+    SELECT array_agg(e.conversation_handle) INTO sides
+    FROM broker.transmission_progress p
+    JOIN broker.endpoints e ON e.conversation_handle = p.conversation_handle
+    WHERE p.conversation_handle = ANY (handles) AND p.acknowledged_sequence > 0
+      AND e.state IN ('conversing', 'disconnected_outbound') AND NOT e.far_is_local
+      AND e.send_sequence <= p.acknowledged_sequence
+      AND NOT EXISTS (SELECT 1 FROM broker.transmission_retries r WHERE r.conversation_handle = e.conversation_handle);
+    PERFORM broker._restore_kept(p.conversation_handle, p.acknowledged_sequence, p.acknowledged_sequence)
+    FROM broker.transmission_progress p WHERE p.conversation_handle = ANY (sides);
+    INSERT INTO broker.transmission_retries (conversation_handle, to_service, priority, first_number, reason)
+    SELECT e.conversation_handle, e.far_service, e.priority, p.acknowledged_sequence,
+           'sent again to ask whether the far node still holds it'
+    FROM broker.endpoints e
+    JOIN broker.transmission_progress p ON p.conversation_handle = e.conversation_handle
+    WHERE e.conversation_handle = ANY (sides)
+      AND EXISTS (SELECT 1 FROM broker.transmission_log t
+                  WHERE t.conversation_handle = e.conversation_handle
+                    AND t.message_sequence_number = p.acknowledged_sequence
+                    AND t.enqueued_at >= now() - (SELECT n.resend_window FROM broker.node n))
+    ON CONFLICT (conversation_handle) DO NOTHING;
+    GET DIAGNOSTICS asked = ROW_COUNT;
+    RETURN asked;
+END $$;
 GRANT EXECUTE ON FUNCTION broker._probe(uuid[]) TO broker_relay;
 
 -- Asks the far node whether it still holds the last number it acknowledged of
@@ -409,6 +632,10 @@ LANGUAGE sql AS $$
                                WHERE e.conversation_id = conversation AND e.is_initiator = sender_is_initiator
                                  AND NOT e.far_is_local));
 $$;
+COMMENT ON FUNCTION broker.probe_conversation(uuid, boolean) IS $$(admin, relay) Sends the last number the far node
+acknowledged of a conversation side again, from the resend window, to ask whether it still holds it (nothing when
+something of the conversation waits to be sent, or this side no longer converses); returns how many were sent. A
+running relay calls it every minute for a side of the last batch each destination answered.$$;
 GRANT EXECUTE ON FUNCTION broker.probe_conversation(uuid, boolean) TO broker_relay;
 
 -- A far node lost numbers it had acknowledged: its database went back to an
@@ -442,7 +669,7 @@ DECLARE
     shift bigint := held + 1 - transmitted;
     renumbered broker.message_types := broker._message_type('broker.renumbered');
     notice bytea;
-    moved broker.transmission_queue[];
+    moved broker.transmission_log[];
 BEGIN
     SELECT * INTO e FROM broker.endpoints WHERE conversation_handle = handle FOR UPDATE SKIP LOCKED;
     IF NOT FOUND OR e.state NOT IN ('conversing', 'disconnected_inbound', 'disconnected_outbound') THEN
@@ -454,26 +681,27 @@ BEGIN
                               'already holds numbers %s to %s from before; the sender''s messages from number %s on '
                               'follow as numbers %s on, and may repeat some of those',
                               transmitted + 1, held, transmitted + 1, held + 2))::text, 'UTF8');
-    -- Taken out in one statement and put back in the next: the new numbers of
-    -- some may be the old numbers of others.
+    -- Taken out in one statement and put back in the next, behind the notice
+    -- (positions follow the numbering): the new numbers of some may be the
+    -- old numbers of others.
     WITH taken_out AS (
-        DELETE FROM broker.transmission_queue t
-        WHERE t.to_service = e.far_service AND t.priority = e.priority AND t.conversation_handle = handle
-          AND t.message_sequence_number > transmitted
+        DELETE FROM broker.transmission_log t
+        WHERE t.conversation_handle = handle AND t.message_sequence_number > transmitted
         RETURNING t.*
     )
     SELECT array_agg(t) INTO moved FROM taken_out t;
-    INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id, to_service,
-                                           message_type_id, body, enqueued_at, next_attempt_at, transmission_status,
-                                           priority, traceparent, message_id)
+    INSERT INTO broker.transmission_log (conversation_handle, message_sequence_number, conversation_id, to_service,
+                                         message_type_id, body, priority)
+    VALUES (handle, held + 1, e.conversation_id, e.far_service, renumbered.message_type_id, notice, e.priority);
+    INSERT INTO broker.transmission_log (conversation_handle, message_sequence_number, conversation_id, to_service,
+                                         message_type_id, body, enqueued_at, next_attempt_at, transmission_status,
+                                         priority, traceparent, message_id)
     SELECT m.conversation_handle, m.message_sequence_number + shift, m.conversation_id, m.to_service,
            m.message_type_id, m.body, m.enqueued_at, m.next_attempt_at,
            format('numbered again from %s: the far node already held that number', m.message_sequence_number),
            m.priority, m.traceparent, m.message_id
-    FROM unnest(moved) m;
-    INSERT INTO broker.transmission_queue (conversation_handle, message_sequence_number, conversation_id, to_service,
-                                           message_type_id, body, priority)
-    VALUES (handle, held + 1, e.conversation_id, e.far_service, renumbered.message_type_id, notice, e.priority);
+    FROM unnest(moved) m
+    ORDER BY m.message_sequence_number;
     UPDATE broker.endpoints SET send_sequence = greatest(send_sequence, transmitted) + shift
     WHERE conversation_handle = handle;
     UPDATE broker.transmission_progress
@@ -512,5 +740,29 @@ LANGUAGE sql AS $$
     ON CONFLICT (address, first_handle, last_handle) DO UPDATE
     SET attempts = f.attempts + 1, failed_at = excluded.failed_at, next_attempt_at = excluded.next_attempt_at,
         reason = excluded.reason;
+    -- A conversation held back alone is read by number once its retry is due.
+    INSERT INTO broker.transmission_retries AS r (conversation_handle, to_service, priority, next_attempt_at)
+    SELECT e.conversation_handle, e.far_service, e.priority, now() + retry_after
+    FROM broker.endpoints e
+    WHERE first_handle = last_handle AND e.conversation_handle = first_handle AND NOT e.far_is_local
+    ON CONFLICT (conversation_handle) DO UPDATE SET next_attempt_at = excluded.next_attempt_at;
 $$;
+COMMENT ON FUNCTION broker.record_transport_failure(text, uuid, uuid, text, interval) IS $$(relay) A destination could
+not be reached: the conversations of one lane of the relay (handles from `first_handle` to `last_handle`) waiting for
+it get `reason` and their next attempt after `retry_after`, in one row of `transmission_failures` however many
+messages wait. Failures of addresses no longer routed to are forgotten.$$;
 GRANT EXECUTE ON FUNCTION broker.record_transport_failure(text,uuid,uuid,text,interval) TO broker_relay;
+
+-- A lane's cursor stands in the log of the services routed to its address:
+-- when a route is made, moved or dropped, every cursor starts again from the
+-- beginning of the log, so that a service's messages that wait are read
+-- wherever it is routed now (what was acknowledged is passed over).
+CREATE OR REPLACE FUNCTION broker._read_the_log_again() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM broker.transmission_cursors;
+    RETURN NULL;
+END $$;
+
+CREATE OR REPLACE TRIGGER read_the_log_again AFTER INSERT OR DELETE OR UPDATE OF service_name, address
+ON broker.routes FOR EACH STATEMENT EXECUTE FUNCTION broker._read_the_log_again();

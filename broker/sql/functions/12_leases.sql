@@ -176,9 +176,10 @@ BEGIN
     ORDER BY m.conversation_handle, coalesce(m.notice_after, m.message_sequence_number),
              m.notice_after IS NOT NULL, m.queue_position;
 END $$;
-COMMENT ON FUNCTION broker.receive_with_lock(text, integer, interval, bigint, uuid) IS
-    'Peek-lock: leases one conversation group and returns its next messages, at most max_messages and (but for '
-    'the first) max_bytes of bodies; complete_lock consumes them.';
+COMMENT ON FUNCTION broker.receive_with_lock(text, integer, interval, bigint, uuid) IS $$Peek-lock: leases one
+conversation group (that of `conversation_handle`, and only its messages, when given) for `lock_duration` and returns
+its next messages with a `lock_token` and `delivery_count`, at most `max_messages` and, when given, `max_bytes` of
+bodies (the first message always). Nothing is consumed: `complete_lock` consumes them.$$;
 GRANT EXECUTE ON FUNCTION broker.receive_with_lock(text,integer,interval,bigint,uuid) TO broker_application;
 
 -- Consumes the messages handed out under a live lease and ends it.  Returns
@@ -211,8 +212,9 @@ BEGIN
     PERFORM broker._record_lease_end(lease.lock_token, lease.queue_id, 'completed', clock_timestamp());
     RETURN consumed;
 END $$;
-COMMENT ON FUNCTION broker.complete_lock(uuid) IS
-    'Consumes the messages of a live lease; BR060 when the lease expired or is unknown.';
+COMMENT ON FUNCTION broker.complete_lock(uuid) IS $$Consumes a live lease's messages and returns how many (fewer when
+the conversation was ended or quarantined meanwhile). BR060 when the lock is lost: expired, completed, abandoned or
+unknown.$$;
 GRANT EXECUTE ON FUNCTION broker.complete_lock(uuid) TO broker_application;
 
 -- Returns a lease's messages to the queue at once.  Counts as a processing
@@ -234,8 +236,8 @@ BEGIN
     RETURN broker._head_failed((SELECT q FROM broker.queues q WHERE q.queue_id = lease.queue_id),
                                lease.conversation_group_id, 'the lock was abandoned', false);
 END $$;
-COMMENT ON FUNCTION broker.abandon_lock(uuid) IS
-    'Returns the messages of a lease to the queue now; counts toward the poison threshold.';
+COMMENT ON FUNCTION broker.abandon_lock(uuid) IS $$Hands a lease's messages back to the queue now, counting a failure
+toward the poison threshold; true when that quarantined the conversation. BR060 when the lock is lost.$$;
 GRANT EXECUTE ON FUNCTION broker.abandon_lock(uuid) TO broker_application;
 
 -- Extends a live lease to lock_duration from now (a reader with long work
@@ -256,6 +258,6 @@ BEGIN
     END IF;
     RETURN expires;
 END $$;
-COMMENT ON FUNCTION broker.renew_lock(uuid, interval) IS
-    'Extends a live lease to lock_duration from now and returns its new expiry; BR060 with why when it is lost.';
+COMMENT ON FUNCTION broker.renew_lock(uuid, interval) IS $$Extends a live lease to `lock_duration` from now (at most a
+day) and returns its new expiry; counts no failure. BR060, with why, when the lock is lost.$$;
 GRANT EXECUTE ON FUNCTION broker.renew_lock(uuid,interval) TO broker_application;

@@ -15,6 +15,9 @@ CREATE OR REPLACE FUNCTION broker.try_lock_ingest(queue text, output text) RETUR
 LANGUAGE sql AS $$
     SELECT pg_try_advisory_lock(1651663725, broker._ingest_lock_key(queue, output))
 $$;
+COMMENT ON FUNCTION broker.try_lock_ingest(text, text) IS $$(ingest) Takes the lock of a run of `queue` into `output`
+for the calling session (a session advisory lock, held until the session ends), so that no second run ingests into
+that output meanwhile; false when another session holds it.$$;
 
 -- Whether the calling session holds the lock of a run of `queue` into `output`.
 CREATE OR REPLACE FUNCTION broker.holds_ingest_lock(queue text, output text) RETURNS boolean
@@ -24,6 +27,8 @@ LANGUAGE sql STABLE AS $$
         WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
           AND l.classid = 1651663725 AND l.objid = broker._ingest_lock_key(queue, output)::oid AND l.objsubid = 2)
 $$;
+COMMENT ON FUNCTION broker.holds_ingest_lock(text, text) IS $$(ingest) Whether the calling session holds the lock of a
+run of `queue` into `output` (`try_lock_ingest`).$$;
 
 -- Starts a run: the checkpoint (0 for a new output) and the high-water mark.
 CREATE OR REPLACE FUNCTION broker.start_ingest(queue text, output text, OUT after_position bigint, OUT up_to_position bigint)
@@ -39,6 +44,9 @@ BEGIN
     FROM broker.ingest_checkpoints c WHERE c.queue_id = q.queue_id AND c.output = start_ingest.output;
     up_to_position := greatest(after_position, horizon - 1);
 END $$;
+COMMENT ON FUNCTION broker.start_ingest(text, text) IS $$(ingest) Starts a run of `queue` into `output`: returns its
+checkpoint (`after_position`; 0 for a new output) and the high-water mark below `committed_position_horizon()`
+(`up_to_position`).$$;
 
 -- Splits the rows in (after_position, up_to_position] into up to `partitions`
 -- consecutive ranges of nearly equal row counts: the last position of each,
@@ -63,6 +71,9 @@ BEGIN
     GROUP BY p.part
     ORDER BY p.part;
 END $$;
+COMMENT ON FUNCTION broker.ingest_partitions(text, bigint, bigint, integer) IS $$(ingest) Splits the rows in
+(`after_position`, `up_to_position`] into up to `partitions` consecutive ranges of nearly equal row counts: the last
+position of each, and its row count. BR050 for fewer than 1 partition.$$;
 
 -- Commits a run: moves the checkpoint from after_position to up_to_position,
 -- and with `consume` deletes the rows in that range in the same transaction.
@@ -105,6 +116,11 @@ BEGIN
     END IF;
     RETURN deleted;
 END $$;
+COMMENT ON FUNCTION broker.advance_ingest_checkpoint(text, text, bigint, bigint, text, bigint, boolean) IS $$(ingest)
+Commits a run: moves the checkpoint from `after_position` to `up_to_position`, counting the run and `rows_ingested`,
+and with `consume` deletes the rows in that range in the same transaction; returns how many it deleted. Advancing from
+anywhere but the checkpoint is BR070 (another run moved it), and from a session that does not hold the run's lock
+(`try_lock_ingest`) BR060.$$;
 
 -- How far each ingest is behind its queue: the messages above its checkpoint
 -- (committed, and still in the queue), and how long the oldest of them has
@@ -122,3 +138,6 @@ LANGUAGE sql STABLE AS $$
                         WHERE m.queue_id = c.queue_id AND m.queue_position > c.queue_position) waiting
     ORDER BY q.name, c.output
 $$;
+COMMENT ON FUNCTION broker.ingest_lag() IS $$(ingest) Each ingest's lag: the messages above its checkpoint, and the
+age in seconds of the oldest (0 when none wait). What `broker status`, `/metrics` and the console show, and what
+`broker ingest --follow` logs after each run.$$;

@@ -42,34 +42,35 @@ DECLARE
     stopped integer := 0;
 BEGIN
     FOR candidate IN
-        SELECT o AS side, coalesce(r.tombstone_retention, shortest_retention) AS retention
-        FROM (SELECT DISTINCT t.conversation_handle FROM broker.transmission_queue t
-              WHERE t.enqueued_at < now() - least((SELECT min(r.tombstone_retention) FROM broker.peer_retention r),
-                                                  shortest_retention) + margin
-             ) waiting
-        JOIN broker.endpoints o ON o.conversation_handle = waiting.conversation_handle AND NOT o.far_is_local
+        SELECT o AS side, coalesce(r.tombstone_retention, shortest_retention) AS retention,
+               coalesce(p.acknowledged_sequence, 0) AS acknowledged
+        FROM broker.endpoints o
+        LEFT JOIN broker.transmission_progress p ON p.conversation_handle = o.conversation_handle
         LEFT JOIN broker.peer_retention r ON r.broker_instance = o.far_broker_instance
-        WHERE EXISTS (SELECT 1 FROM broker.transmission_queue t
-                      WHERE t.to_service = o.far_service AND t.priority = o.priority
-                        AND t.conversation_handle = o.conversation_handle
-                        AND t.enqueued_at < now() - coalesce(r.tombstone_retention, shortest_retention) + margin)
+        WHERE NOT o.far_is_local AND o.send_sequence > coalesce(p.acknowledged_sequence, 0)
+          AND (SELECT t.enqueued_at FROM broker.transmission_log t
+               WHERE t.conversation_handle = o.conversation_handle
+                 AND t.message_sequence_number > coalesce(p.acknowledged_sequence, 0)
+               ORDER BY t.message_sequence_number LIMIT 1)
+              < now() - coalesce(r.tombstone_retention, shortest_retention) + margin
         FOR UPDATE OF o SKIP LOCKED
     LOOP
         e := candidate.side;
         reason := format('not sent: it waited longer than the far node remembers ended conversations (its '
                          'tombstone_retention, %s), and could reach it as new', candidate.retention);
-        WITH withheld AS (
-            DELETE FROM broker.transmission_queue t
-            WHERE t.to_service = e.far_service AND t.priority = e.priority
-              AND t.conversation_handle = e.conversation_handle
-            RETURNING t.*
+        WITH attempted AS (
+            SELECT coalesce((SELECT r.attempts FROM broker.transmission_retries r
+                             WHERE r.conversation_handle = e.conversation_handle), 0) AS attempts
+        ), withheld AS (
+            SELECT w.* FROM broker._take_waiting(e.conversation_handle) w
         ), lettered AS (
             INSERT INTO broker.dead_letters (queue_name, queue_position, conversation_handle, conversation_id,
                                              message_sequence_number, message_type, body, enqueued_at,
                                              failed_attempts, reason, traceparent)
             SELECT q.name, 0, w.conversation_handle, w.conversation_id, w.message_sequence_number, mt.name, w.body,
-                   w.enqueued_at, w.attempts, reason, w.traceparent
+                   w.enqueued_at, a.attempts, reason, w.traceparent
             FROM withheld w
+            CROSS JOIN attempted a
             JOIN broker.message_types mt USING (message_type_id)
             JOIN broker.queues q ON q.queue_id = e.queue_id
             RETURNING message_sequence_number
@@ -83,23 +84,45 @@ BEGIN
     END LOOP;
     RETURN stopped;
 END $$;
+COMMENT ON FUNCTION broker.withhold_what_peers_forgot(interval) IS $$(admin, relay) Ends, with `broker.error` -5 on
+both sides (the far node takes it across the numbers withheld), each conversation whose oldest waiting message is
+older than its peer's `tombstone_retention` (learned from its answers, in `peer_retention`; a day when never heard)
+less the margin, and moves what waits of it to `dead_letters` (with `queue_position` 0: never delivered, and never
+resubmitted); returns how many. A running relay calls it every minute.$$;
 GRANT EXECUTE ON FUNCTION broker.withhold_what_peers_forgot(interval) TO broker_relay;
 
--- Forgets the acknowledged messages older than broker.node.resend_window, at
--- most max_messages of them; returns how many.  A running relay calls it every
--- minute.
+-- Forgets up to max_messages messages of the transmission log sent longer
+-- than broker.node.resend_window ago that their far node acknowledged (or
+-- whose conversation was forgotten), and as many of the resend window the
+-- release before revision 0037 kept (broker.acknowledged_messages); returns
+-- how many.  A running relay calls it every minute, again and again while it
+-- forgets max_messages, each call in a transaction of its own: so the window
+-- keeps up with any rate.
 CREATE OR REPLACE FUNCTION broker.forget_acknowledged_messages(max_messages integer DEFAULT 100000) RETURNS integer
 LANGUAGE sql AS $$
     WITH due AS (
+        SELECT t.ctid FROM broker.transmission_log t
+        LEFT JOIN broker.transmission_progress p ON p.conversation_handle = t.conversation_handle
+        WHERE t.enqueued_at < now() - (SELECT n.resend_window FROM broker.node n)
+          AND (t.message_sequence_number <= p.acknowledged_sequence
+               OR NOT EXISTS (SELECT 1 FROM broker.endpoints e WHERE e.conversation_handle = t.conversation_handle))
+        LIMIT max_messages
+    ), gone AS (
+        DELETE FROM broker.transmission_log t WHERE t.ctid = ANY (ARRAY(SELECT d.ctid FROM due d))
+        RETURNING 1
+    ), kept_before AS (
         SELECT k.ctid FROM broker.acknowledged_messages k
         WHERE k.acknowledged_at < now() - (SELECT n.resend_window FROM broker.node n)
         LIMIT max_messages
-    ), gone AS (
-        DELETE FROM broker.acknowledged_messages k WHERE k.ctid = ANY (ARRAY(SELECT d.ctid FROM due d))
+    ), gone_before AS (
+        DELETE FROM broker.acknowledged_messages k WHERE k.ctid = ANY (ARRAY(SELECT d.ctid FROM kept_before d))
         RETURNING 1
     )
-    SELECT count(*)::integer FROM gone;
+    SELECT greatest((SELECT count(*) FROM gone), (SELECT count(*) FROM gone_before))::integer;
 $$;
+COMMENT ON FUNCTION broker.forget_acknowledged_messages(integer) IS $$(admin, relay) Forgets up to `max_messages`
+messages of the transmission log sent longer than `broker.node.resend_window` ago that their far node acknowledged;
+returns how many. A running relay calls it every minute, and again while it forgets `max_messages`.$$;
 GRANT EXECUTE ON FUNCTION broker.forget_acknowledged_messages(integer) TO broker_relay;
 
 -- Forgets up to max_endpoints endpoints closed longer than the retention ago
@@ -119,9 +142,11 @@ BEGIN
     WITH due AS (
         SELECT c.conversation_handle FROM broker.endpoints c
         WHERE c.state = 'closed' AND c.closed_at <= now() - settings.closed_endpoint_retention
-          AND NOT EXISTS (SELECT 1 FROM broker.transmission_queue t
-                          WHERE t.to_service = c.far_service AND t.priority = c.priority
-                            AND t.conversation_handle = c.conversation_handle)
+          AND NOT EXISTS (SELECT 1 FROM broker.transmission_log t
+                          WHERE t.conversation_handle = c.conversation_handle
+                            AND t.message_sequence_number > coalesce(
+                                (SELECT p.acknowledged_sequence FROM broker.transmission_progress p
+                                 WHERE p.conversation_handle = c.conversation_handle), 0))
         ORDER BY c.closed_at
         LIMIT broker._require('max_endpoints', max_endpoints)
         FOR UPDATE SKIP LOCKED
@@ -139,6 +164,8 @@ BEGIN
         ON CONFLICT DO NOTHING;
         DELETE FROM broker.transmission_progress p
         USING unnest(forgotten) f WHERE p.conversation_handle = f.conversation_handle;
+        DELETE FROM broker.transmission_retries r  -- a question asked of the far node, say
+        USING unnest(forgotten) f WHERE r.conversation_handle = f.conversation_handle;
         DELETE FROM broker.lost_messages l
         USING unnest(forgotten) f WHERE l.conversation_id = f.conversation_id AND l.is_initiator = f.is_initiator;
         DELETE FROM broker.queue_messages m
@@ -163,8 +190,9 @@ BEGIN
         ORDER BY forgotten_at LIMIT max_endpoints);
     RETURN cardinality(forgotten);
 END $$;
-COMMENT ON FUNCTION broker.forget_closed_endpoints(integer) IS
-    'Forgets closed endpoints older than broker.node.closed_endpoint_retention; runs whenever an endpoint closes.';
+COMMENT ON FUNCTION broker.forget_closed_endpoints(integer) IS $$Forgets up to `max_endpoints` endpoints closed longer
+than `broker.node.closed_endpoint_retention` ago, the conversation groups left without endpoints, and tombstones past
+their own retention; returns how many endpoints it forgot. Runs by itself on every close and acknowledgement.$$;
 GRANT EXECUTE ON FUNCTION broker.forget_closed_endpoints(integer) TO broker_relay;
 
 -- Each close (and each acknowledgement) forgets a few old closed endpoints
@@ -181,8 +209,3 @@ GRANT EXECUTE ON FUNCTION broker._forget_on_close() TO broker_relay;
 CREATE OR REPLACE TRIGGER forget_on_close AFTER UPDATE OF state ON broker.endpoints
 FOR EACH ROW WHEN (NEW.state = 'closed' AND OLD.state IS DISTINCT FROM 'closed')
 EXECUTE FUNCTION broker._forget_on_close();
-
--- An endpoint closed while its last messages still waited to be transmitted
--- can be forgotten once the far node acknowledges them.
-CREATE OR REPLACE TRIGGER forget_on_acknowledgement AFTER DELETE ON broker.transmission_queue
-FOR EACH STATEMENT EXECUTE FUNCTION broker._forget_on_close();

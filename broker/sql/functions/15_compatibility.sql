@@ -7,5 +7,5 @@
 -- removes what a release uses raises it.
 CREATE OR REPLACE FUNCTION broker.oldest_serving_revision() RETURNS text
 LANGUAGE sql IMMUTABLE AS $$ SELECT '0029' $$;
-COMMENT ON FUNCTION broker.oldest_serving_revision() IS
-    'The head revision of the oldest release whose nodes may serve this database.';
+COMMENT ON FUNCTION broker.oldest_serving_revision() IS $$(admin) The head revision of the oldest release whose nodes
+may serve this database (`/readyz` reads it).$$;

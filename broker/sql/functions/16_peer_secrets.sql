@@ -33,8 +33,10 @@ BEGIN
     DELETE FROM broker.peer_secrets p WHERE p.broker_instance = add_peer_secret.broker_instance AND p.role = 'next';
     INSERT INTO broker.peer_secrets (broker_instance, secret, role) VALUES (broker_instance, secret, 'next');
 END $$;
-COMMENT ON FUNCTION broker.add_peer_secret(uuid, text) IS
-    'Rotating a peer''s secret, step 1: the new secret is taken from the peer too.';
+COMMENT ON FUNCTION broker.add_peer_secret(uuid, text) IS $$(admin) Rotating the secret shared with the node of
+`broker_instance`, step 1 of 3, each step on both nodes: the new secret is taken from the peer from then on (the
+routes still sign with the old one). BR050 under 16 characters, BR040 for a secret held already, BR006 when no route
+goes to that node.$$;
 
 -- Step 2: the routes sign with the new secret; the one they signed with
 -- before is still taken from the peer.
@@ -56,8 +58,9 @@ BEGIN
     ON CONFLICT ON CONSTRAINT peer_secrets_pkey DO UPDATE SET role = 'previous', added_at = now();
     UPDATE broker.routes r SET peer_secret = new_secret WHERE r.broker_instance = switch_peer_secret.broker_instance;
 END $$;
-COMMENT ON FUNCTION broker.switch_peer_secret(uuid) IS
-    'Rotating a peer''s secret, step 2: the routes to the peer sign with the new secret.';
+COMMENT ON FUNCTION broker.switch_peer_secret(uuid) IS $$(admin) Rotating a peer's secret, step 2 of 3, on both nodes:
+the routes to the node of `broker_instance` sign with the new secret, and the old one is still taken. BR050 when none
+was added, BR006 when no route goes to that node.$$;
 
 -- Step 3: the old secret is no longer taken.  Returns how many secrets went
 -- (0 when there was none to retire).
@@ -77,5 +80,6 @@ BEGIN
       AND u.secret_sha256 IN (SELECT sha256(convert_to(r, 'UTF8')) FROM unnest(retired) r);
     RETURN cardinality(retired);
 END $$;
-COMMENT ON FUNCTION broker.retire_peer_secret(uuid) IS
-    'Rotating a peer''s secret, step 3: the old secret is no longer taken from the peer.';
+COMMENT ON FUNCTION broker.retire_peer_secret(uuid) IS $$(admin) Rotating a peer's secret, step 3 of 3, on both nodes:
+the old secret is no longer taken from the node of `broker_instance`. Returns how many secrets went (0 when there was
+none to retire); BR006 when no route goes to that node.$$;

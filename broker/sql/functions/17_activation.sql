@@ -94,8 +94,13 @@ BEGIN
     SET procedure_name = excluded.procedure_name, max_queue_readers = excluded.max_queue_readers,
         is_enabled = excluded.is_enabled, execute_as = excluded.execute_as;
 END $$;
-COMMENT ON FUNCTION broker.set_queue_activation(text, text, integer, boolean, text) IS
-    'Declares (or changes) the procedure the running nodes call while the queue has messages: procedure_name(queue text), up to max_queue_readers calls at once, status on or off, run as execute_as (default: the procedure''s owner; never a superuser).';
+COMMENT ON FUNCTION broker.set_queue_activation(text, text, integer, boolean, text) IS $$(admin) Service Broker's
+`ALTER QUEUE … WITH ACTIVATION`: every running node calls `procedure_name(queue text)` while the queue has messages,
+each call in a transaction of its own (committed when it returns, rolled back and counted toward `poison_threshold`
+when it raises), up to `max_queue_readers` (1–100, default 1) at once for all nodes, `status` on or off, as
+`execute_as` (default: the procedure's owner; never a superuser). NULL leaves a setting as it is. BR080 when there is
+no such procedure taking one text argument, BR081 when the role is unknown, a superuser, or may not execute the
+procedure or `broker.receive`, BR050 for `max_queue_readers` out of range or no procedure on a first declaration.$$;
 
 CREATE OR REPLACE FUNCTION broker.drop_queue_activation(queue text) RETURNS void
 LANGUAGE plpgsql AS $$
@@ -105,6 +110,8 @@ BEGIN
         PERFORM broker._raise('BR004', format('queue %L has no activation', queue));
     END IF;
 END $$;
+COMMENT ON FUNCTION broker.drop_queue_activation(text) IS $$(admin) Ends a queue's activation; BR004 when it has
+none.$$;
 
 -- The queues whose activation is on (and which are enabled), with whether any
 -- message waits in them: what a node's supervisor looks at.  The queue's id is
@@ -119,6 +126,8 @@ LANGUAGE sql STABLE AS $$
     WHERE a.is_enabled AND q.is_enabled
     ORDER BY q.name
 $$;
+COMMENT ON FUNCTION broker.activated_queues() IS $$(node) The queues whose activation is on (and which are enabled),
+with their `max_queue_readers` and whether messages wait: what a node's activation looks at.$$;
 
 -- Takes a free reader slot of the queue's activation for this session (held
 -- until the session ends) and returns it; NULL when all max_queue_readers
@@ -136,6 +145,9 @@ BEGIN
     END LOOP;
     RETURN NULL;
 END $$;
+COMMENT ON FUNCTION broker.take_activation_slot(text) IS $$(node) Takes a reader slot of the queue's activation for
+the session (a session advisory lock, held until the session ends) and returns it; NULL when all `max_queue_readers`
+are taken, or the queue has no activation.$$;
 
 -- Calls the queue's procedure once, in the caller's transaction, as its
 -- execute_as, when a conversation group of the queue has messages no other
@@ -178,6 +190,11 @@ BEGIN
     PERFORM broker.report_processing_failure(queue, locked_group, failure);
     RETURN failure;
 END $$;
+COMMENT ON FUNCTION broker.call_activated_procedure(text, integer) IS $$(node) One call of the queue's procedure in
+the caller's transaction, as `execute_as`, after locking a group with messages no other transaction holds: `''` when
+it returned; when it raised, what it did is rolled back (a subtransaction), the failure is counted as
+`report_processing_failure` counts one, and the error's message is returned. NULL, calling nothing, when there is no
+such group, when activation is off or the queue disabled, or the slot is past `max_queue_readers`.$$;
 
 -- One call, as the node of the release before revision 0035 makes it: whether
 -- it called.  A failure is counted already.
@@ -185,5 +202,5 @@ CREATE OR REPLACE FUNCTION broker.activate(queue text, slot integer) RETURNS boo
 LANGUAGE sql AS $$
     SELECT broker.call_activated_procedure(queue, slot) IS NOT NULL;
 $$;
-COMMENT ON FUNCTION broker.activate(text, integer) IS
-    'Whether broker.call_activated_procedure called, for a node of the release before revision 0035.';
+COMMENT ON FUNCTION broker.activate(text, integer) IS $$(node) Whether `call_activated_procedure` called: kept for
+nodes of the release before revision 0035.$$;

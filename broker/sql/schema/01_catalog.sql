@@ -16,9 +16,10 @@ CREATE SCHEMA broker;
 
 -- The local node: one row.  Closed conversation endpoints are forgotten after
 -- closed_endpoint_retention; the tombstones of remote ones after
--- tombstone_retention (see functions/14_forgetting.sql).  Messages another node
--- acknowledged are kept for resend_window, to send again to a peer whose
--- database went back to an earlier point (see broker.acknowledged_messages).
+-- tombstone_retention (see functions/14_forgetting.sql).  Messages sent to
+-- another node are kept in the transmission log for resend_window, to send
+-- again to a peer whose database went back to an earlier point (see
+-- broker.transmission_log).
 CREATE TABLE broker.node (
     singleton                  boolean PRIMARY KEY DEFAULT true CHECK (singleton),
     broker_instance            uuid NOT NULL DEFAULT gen_random_uuid(),
@@ -101,8 +102,8 @@ CREATE TABLE broker.routes (
 CREATE INDEX routes_address ON broker.routes (address);
 CREATE INDEX routes_broker_instance ON broker.routes (broker_instance);
 
--- A peer's secret while it is rotated (docs/operations.md, "Rotating a peer's
--- secret"): a 'next' secret is taken from the peer but not yet signed with;
+-- A peer's secret while it is rotated (docs/how-to/rotate-a-secret.md): a
+-- 'next' secret is taken from the peer but not yet signed with;
 -- broker.switch_peer_secret makes the routes sign with it and keeps the one
 -- they signed with before as 'previous', still taken from the peer until
 -- broker.retire_peer_secret.  A request is taken under any secret of the

@@ -56,8 +56,10 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON broker.endpoints, broker.conversation_gr
                                         broker.transmission_queue, broker.transmission_failures,
                                         broker.forgotten_conversations, broker.transmission_progress,
                                         broker.acknowledged_messages, broker.lost_messages, broker.peer_retention,
-                                        broker.peer_secret_use, broker.far_node_checks
+                                        broker.peer_secret_use, broker.far_node_checks, broker.transmission_log,
+                                        broker.transmission_cursors, broker.transmission_retries
     TO broker_relay;
+GRANT USAGE, SELECT ON broker.transmission_log_position TO broker_relay;
 -- Accepting a batch makes queue positions (broker._next_queue_positions).
 GRANT SELECT ON broker.queue_position_base TO broker_relay;
 

@@ -15,3 +15,13 @@ CREATE TABLE broker.function_files (
     file_name  text PRIMARY KEY,
     sha256     bytea NOT NULL
 );
+
+-- The release whose function files the database holds, and the oldest release
+-- whose nodes those functions still serve: a release that changes only
+-- function files needs no revision, and /readyz of a node of an earlier
+-- release that they still serve says ready (api.routes.health).
+CREATE TABLE broker.function_release (
+    only_row     boolean PRIMARY KEY DEFAULT true CHECK (only_row),
+    release      text NOT NULL,
+    serves_from  text NOT NULL
+);
