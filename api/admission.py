@@ -26,7 +26,7 @@ KEY_SCHEME = "bearer "
 # it, so the peer's signature is refused (api.routes.transport).
 ROUTED_FOR_S = 1.0
 # A key found live is let in without a look at the database for this long: a key revoked meanwhile stops working
-# within it (docs/operations.md, "API keys").  Only live keys are kept, so an outsider cannot fill the cache.
+# within it (docs/how-to/tls.md, "API keys").  Only live keys are kept, so an outsider cannot fill the cache.
 KEY_KNOWN_FOR_S = 5.0
 KEYS_KEPT = 1000
 
@@ -144,4 +144,4 @@ class Admission:
 
     def _routed(self, instance: str) -> bool:
         with self.engine.connect() as connection:
-            return queries.is_routed_peer(connection, instance)
+            return connection.execute(queries.QUERIES["peer_is_routed"], {"instance": instance}).scalar_one()

@@ -56,7 +56,7 @@ class Arrivals:
     def _connect(self):
         connection = psycopg2.connect(self.database_url, connect_timeout=5)
         connection.autocommit = True
-        connection.cursor().execute(queries.LISTEN_FOR_ARRIVALS)
+        connection.cursor().execute(queries.QUERIES["listen_for_arrivals"].text)
         return connection
 
     def _on_readable(self) -> None:

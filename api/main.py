@@ -19,7 +19,7 @@ from broker.api.limits import RequestLimits
 from broker.api.problems import (InternalErrors, Problem, ProblemDetails, database_unavailable, from_broker_error,
                           from_problem, internal_error, problem)
 from broker.api.routes import catalog, console, conversations, health, queues, transport
-from broker import migrate, queries, schema
+from broker import __version__, migrate, queries, schema
 from broker.settings import Settings
 from broker.errors import BrokerError
 from broker.metrics import DatabaseCollector
@@ -54,7 +54,7 @@ def create_app(database_url: str, settings: Settings) -> FastAPI:
         app.state.arrivals.close()
         app.state.engine.dispose()
 
-    app = FastAPI(title="pg-broker node", version="0.1.0", description=DESCRIPTION, lifespan=lifespan,
+    app = FastAPI(title="pg-broker node", version=__version__, description=DESCRIPTION, lifespan=lifespan,
                   generate_unique_id_function=_operation_id)
     app.openapi = lambda: _openapi(app)
     app.state.engine = api_engine(database_url, settings)
@@ -172,5 +172,5 @@ def api_engine(database_url: str, settings: Settings) -> Engine:
 
 def _limit_lock_waits(dbapi_connection, _record) -> None:
     with dbapi_connection.cursor() as cursor:
-        cursor.execute(queries.LIMIT_LOCK_WAITS)
+        cursor.execute(queries.QUERIES["limit_lock_waits"].text)
     dbapi_connection.commit()

@@ -21,7 +21,7 @@ def unknown_conversation(handle: UUID) -> Problem:
 
 def conversation(connection: Connection, key: ApiKey, handle: UUID) -> Row:
     """The conversation side (a row of broker.conversation_endpoints) when the key may see it; 404 otherwise."""
-    endpoint = queries.endpoint(connection, handle)
+    endpoint = connection.execute(queries.QUERIES["endpoint"], {"handle": handle}).first()
     if endpoint is None or not sees(key, endpoint):
         raise unknown_conversation(handle)
     return endpoint
@@ -30,7 +30,7 @@ def conversation(connection: Connection, key: ApiKey, handle: UUID) -> Row:
 def lock_queue(connection: Connection, key: ApiKey, lock_token: UUID) -> str | None:
     """The queue of a lock, live or ended, when the key may receive from it; None for a lock not known (the broker's
     call then refuses it as lost).  A lock of another queue is refused as an unknown one."""
-    queue = queries.queue_of_lock(connection, lock_token)
+    queue = connection.execute(queries.QUERIES["queue_of_lock"], {"token": lock_token}).scalar()
     if queue is not None and not key.allows(f"receive:{queue}"):
         queries.refuse_lock_as_unknown(connection, lock_token)
     return queue

@@ -94,7 +94,7 @@ class Activator:
 
     def _supervise(self, stop: threading.Event) -> None:
         with self.watching.connect() as connection:
-            queues = connection.execute(queries.ACTIVATED_QUEUES).all()
+            queues = queries.select_from(connection, "activated_queues").all()
         self.activated = frozenset(str(queue.queue_id) for queue in queues)
         now = time.monotonic()
         with self.lock:
@@ -115,11 +115,12 @@ class Activator:
         """Calls the queue's procedure until a call finds nothing to take, holding a reader slot meanwhile."""
         try:
             with self.engine.connect() as connection:
-                slot = connection.execute(queries.TAKE_ACTIVATION_SLOT, {"queue": queue}).scalar()
+                slot = queries.call(connection, "take_activation_slot", queue=queue).scalar()
                 connection.commit()
                 while slot is not None and not stop.is_set():
                     try:
-                        failure = connection.execute(queries.ACTIVATE, {"queue": queue, "slot": slot}).scalar_one()
+                        failure = connection.execute(queries.QUERIES["activate"],
+                                                     {"queue": queue, "slot": slot}).scalar_one()
                         connection.commit()
                     except DBAPIError as error:
                         connection.rollback()
@@ -161,7 +162,7 @@ class Activator:
         try:
             with self.watching.begin() as connection:
                 for queue, tally in tallies.items():
-                    connection.execute(queries.RECORD_ACTIVATIONS, {
+                    connection.execute(queries.QUERIES["record_activations"], {
                         "queue": queue, "activations": tally.activations, "failures": tally.failures,
                         "last_failure": tally.last_failure})
         except DBAPIError as error:
@@ -176,7 +177,8 @@ class Activator:
     def _listen(self, stop: threading.Event) -> None:
         """Wakes the supervisor whenever a message arrives in an activated queue; a database that goes away is
         waited for."""
-        listen(self.database_url, queries.LISTEN_FOR_ARRIVALS, stop, POLL_S, self._arrived, "arrivals")
+        listen(self.database_url, queries.QUERIES["listen_for_arrivals"].text, stop, self._arrived,
+               "arrivals")
 
     def _arrived(self, queues: set[str] | None) -> None:
         """Wakes the supervisor for arrivals in activated queues, or for anything (None)."""

@@ -40,7 +40,8 @@ def create(connection: Connection, name: str, scopes: list[str]) -> str:
     if not scopes or bad:
         raise ValueError(f"invalid scope {bad[0]!r}" if bad else "give at least one scope")
     key_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
-    queries.insert_api_key(connection, key_id, name, _sha256(secret), scopes)
+    connection.execute(queries.QUERIES["insert_api_key"], {"key_id": key_id, "name": name,
+                                                           "secret_sha256": _sha256(secret), "scopes": scopes})
     return f"bk_{key_id}_{secret}"
 
 
@@ -50,7 +51,7 @@ def verify(connection: Connection, presented: str) -> ApiKey | None:
     if not match:
         return None
     key_id, secret = match.groups()
-    row = queries.live_api_key(connection, key_id)
+    row = connection.execute(queries.QUERIES["live_api_key"], {"key_id": key_id}).first()
     if row is None or not hmac.compare_digest(bytes(row.secret_sha256), _sha256(secret)):
         return None
     return ApiKey(key_id, row.name, tuple(row.scopes))

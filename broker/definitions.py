@@ -123,25 +123,28 @@ def _difference(key: str, present: Any, wanted: Any) -> str:
 def read_node(connection: Connection) -> Catalog:
     """The node's catalog, without the broker's own message types."""
     return Catalog({
-        "message_types": {row.name: {"validation": row.validation} for row in queries.message_types(connection)
+        "message_types": {row.name: {"validation": row.validation}
+                          for row in connection.execute(queries.QUERIES["message_types"])
                           if not row.name.startswith("broker.")},
         "contracts": {name: {"message_types": {t: m["sent_by"] for t, m in sorted(types.items())}}
                       for name, types in queries.contracts(connection).items()},
         "queues": {row.name: {"enabled": row.is_enabled, "retention": row.retention,
-                              "poison_threshold": row.poison_threshold} for row in queries.queues(connection)},
+                              "poison_threshold": row.poison_threshold}
+                   for row in connection.execute(queries.QUERIES["queues"])},
         "activations": {row.queue_name: {"procedure": row.procedure_name,
                                          "max_queue_readers": row.max_queue_readers, "enabled": row.status == "on",
                                          "execute_as": row.execute_as}
-                        for row in queries.activation_statuses(connection)},
+                        for row in connection.execute(queries.QUERIES["activation_status"])},
         "services": {row.name: {"queue": row.queue, "contracts": sorted(row.contracts)}
                      for row in queries.services(connection)},
         "routes": {row.service_name: {"address": row.address, "broker_instance": str(row.broker_instance),
                                       "secret": Secret(row.peer_secret)}
-                   for row in sorted(queries.routes_with_secrets(connection), key=lambda row: row.service_name)},
+                   for row in sorted(connection.execute(queries.QUERIES["routes_with_secrets"]),
+                                     key=lambda row: row.service_name)},
         "broker_priorities": {row.name: {"priority": row.priority, "contract": row.contract_name,
                                          "local_service": row.local_service_name,
                                          "remote_service": row.remote_service_name}
-                              for row in queries.broker_priorities(connection)},
+                              for row in connection.execute(queries.QUERIES["broker_priorities"])},
     })
 
 
@@ -487,7 +490,7 @@ _ALTER = {
 
 def make_match(connection: Connection, wanted: Catalog, prune: bool) -> list[Change]:
     """Plans and applies in the caller's transaction, after any other apply on the node has ended."""
-    queries.lock_definitions(connection)
+    connection.execute(queries.QUERIES["lock_definitions"])
     changes = plan(connection, wanted, prune)
     apply(connection, changes)
     return changes

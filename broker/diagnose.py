@@ -94,7 +94,7 @@ def _database_clock_findings(connection: Connection) -> list[Finding]:
     """The database's clock against this process's: lifetimes, timers and delivery times follow the database's
     and travel to peers as times of day, while requests are signed and judged by the processes' clocks."""
     before = time.time()
-    database = queries.database_clock(connection)
+    database = connection.execute(queries.QUERIES["database_clock"]).scalar_one()
     after = time.time()
     skew_s = max(database - after, before - database, 0.0)
     if skew_s <= DATABASE_CLOCK_WARNING_S:
@@ -107,7 +107,7 @@ def _database_clock_findings(connection: Connection) -> list[Finding]:
 
 def _local_findings(connection: Connection, schema_head: str, max_wait_s: float) -> list[Finding]:
     findings = _database_clock_findings(connection)
-    version = queries.schema_revision(connection)
+    version = connection.execute(queries.QUERIES["schema_revision"]).scalar()
     findings.append(_ok("schema", f"at revision {version}, for pg-broker {__version__}") if version == schema_head
                     else Finding("error", "schema", f"the database is at revision {version}, pg-broker {__version__} "
                                  f"needs {schema_head}", "run 'broker migrate'"))
@@ -118,13 +118,13 @@ def _local_findings(connection: Connection, schema_head: str, max_wait_s: float)
                 f"look at broker.dead_letters, then SELECT broker.alter_queue('{queue.queue_name}', status => true)"))
         else:
             findings.append(_ok(f"queue {queue.queue_name}", "enabled"))
-    for service in queries.unrouted_services(connection):
+    for service in connection.execute(queries.QUERIES["unrouted_services"]):
         findings.append(Finding(
             "error", f"service {service.to_service}", f"{service.messages} messages wait for it, and it has no route",
             f"SELECT broker.create_route('{service.to_service}', '<address of its node>', "
             "'<that node's broker_instance>', '<the secret you share with it>')"))
     refusals = {}
-    for destination in queries.failing_destinations(connection):
+    for destination in connection.execute(queries.QUERIES["failing_destinations"]):
         refusals[destination.address] = refusal_advice(destination.status)
         findings.append(Finding(
             # a message refused as too large on its own never goes until a limit changes, nor a batch in another
@@ -135,12 +135,14 @@ def _local_findings(connection: Connection, schema_head: str, max_wait_s: float)
             f"{counted(destination.messages, 'message')} waiting, up to {counted(destination.attempts, 'attempt')}: "
             f"{destination.status}",
             refusals[destination.address]))
-    for lost in queries.as_dicts(queries.lost_messages(connection, LOST_MESSAGES_SHOWN)):
+    lost_messages = connection.execute(queries.QUERIES["lost_messages"], {"limit": LOST_MESSAGES_SHOWN})
+    for lost in queries.as_dicts(lost_messages):
         level, advice = LOST_MESSAGES_ADVICE[lost["outcome"]]
         findings.append(Finding(level, f"conversation {lost['conversation_handle'] or lost['conversation_id']}",
                                 f"with {lost['far_service'] or 'a far node'} ({lost['far_broker_instance']}): "
                                 f"{lost_messages_explained(lost)}", advice))
-    for backlog in queries.routed_backlogs(connection, max_wait_s, relay.LANES):
+    backlogs = connection.execute(queries.QUERIES["routed_backlogs"], {"max_wait_s": max_wait_s, "lanes": relay.LANES})
+    for backlog in backlogs:
         if not backlog.relayed:
             findings.append(Finding("error", f"relay to {backlog.address}",
                                     f"{backlog.messages} messages wait for it and no relay is running for it",
@@ -279,7 +281,7 @@ def _when(at) -> str:
 
 def _secret_findings(address: str, instance: str, secrets: list) -> list[Finding]:
     """Which secret the peer signs its batches with: the one it signed with last (rows of
-    broker.queries.peer_secrets, the latest used first), and how far a rotation of it has got."""
+    the query peer_secrets, the latest used first), and how far a rotation of it has got."""
     check = f"secret of {address}"
     latest = secrets[0] if secrets and secrets[0].last_used_at is not None else None
     if latest is None:
@@ -323,11 +325,13 @@ def diagnose(connection: Connection, client: httpx.Client, schema_head: str, *, 
     our_instance = queries.broker_instance(connection)
     our_contracts = queries.contracts(connection)
     contracts_in_use = queries.contracts_in_use_by_remote_service(connection)
-    for (address, instance, secret), group in groupby(queries.routes_with_secrets(connection),
-                                                      key=lambda r: (r.address, r.broker_instance, r.peer_secret)):
+    routes = connection.execute(queries.QUERIES["routes_with_secrets"]).all()
+    for (address, instance, secret), group in groupby(routes, key=lambda r: (r.address, r.broker_instance,
+                                                                             r.peer_secret)):
         services = [route.service_name for route in group]
-        rotated = queries.rotated_secrets(connection, str(instance))
+        rotated = connection.execute(queries.QUERIES["rotated_secrets"], {"instance": str(instance)}).all()
         findings += _peer_findings(client, address, str(instance), secret, rotated, services, our_instance,
                                    our_contracts, contracts_in_use, max_clock_skew_s)
-        findings += _secret_findings(address, str(instance), queries.peer_secrets(connection, str(instance)))
+        secrets = connection.execute(queries.QUERIES["peer_secrets"], {"instance": str(instance)}).all()
+        findings += _secret_findings(address, str(instance), secrets)
     return findings

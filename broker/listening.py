@@ -7,9 +7,11 @@ from collections.abc import Callable
 import psycopg2
 
 log = logging.getLogger(__name__)
+# How often a listener with nothing to read looks whether it was told to stop: so that a node stops at once.
+STOP_CHECK_S = 0.1
 
 
-def listen(database_url: str, listen_statement: str, stop: threading.Event, poll_s: float,
+def listen(database_url: str, listen_statement: str, stop: threading.Event,
            notified: Callable[[set[str] | None], None], what: str) -> None:
     """Calls notified with the payloads of the notifications that come, until stop is set; with None when
     listening starts or starts again, and when it ends: anything may have been committed meanwhile.  A database
@@ -22,7 +24,7 @@ def listen(database_url: str, listen_statement: str, stop: threading.Event, poll
             listener.cursor().execute(listen_statement)
             notified(None)
             while not stop.is_set():
-                if select.select([listener], [], [], poll_s)[0]:
+                if select.select([listener], [], [], STOP_CHECK_S)[0]:
                     listener.poll()
                     payloads = {notification.payload for notification in listener.notifies}
                     listener.notifies.clear()

@@ -59,14 +59,14 @@ class DatabaseCollector(Collector):
                 oldest.add_metric([row.queue_name], row.oldest_message_age_s or 0.0)
                 dead.add_metric([row.queue_name], row.dead_letters)
                 readers.add_metric([row.queue_name], row.readers)
-            for row in queries.activation_statuses(connection):
+            for row in connection.execute(queries.QUERIES["activation_status"]):
                 activation_readers.add_metric([row.queue_name], row.readers)
                 activations.add_metric([row.queue_name], row.activations)
                 activation_failures.add_metric([row.queue_name], row.failures)
-            for row in queries.transmission_by_destination(connection):
+            for row in connection.execute(queries.QUERIES["transmission_by_destination"]):
                 waiting.add_metric([row.destination], row.messages)
                 waiting_age.add_metric([row.destination], row.oldest_message_age_s)
-            for row in queries.ingests(connection):
+            for row in connection.execute(queries.QUERIES["ingests"]):
                 ingest_lag.add_metric([row.queue_name, row.output], row.lag_messages)
                 ingest_lag_age.add_metric([row.queue_name, row.output], row.lag_s)
         yield from (depth, oldest, dead, readers, activation_readers, activations, activation_failures, waiting,

@@ -90,11 +90,12 @@ def _build_if_empty(database_url: str) -> bool:
     engine = create_engine(database_url)
     try:
         with engine.begin() as connection:
-            connection.execute(queries.LOCK_SCHEMA_CHANGES)  # two processes starting on one new database build it once
-            if connection.execute(queries.SCHEMA_EXISTS).scalar_one():
+            # two processes starting on one new database build it once
+            connection.execute(queries.QUERIES["lock_schema_changes"])
+            if connection.execute(queries.QUERIES["schema_exists"]).scalar_one():
                 return False
             schema.create(connection)
-            connection.execute(queries.STAMP, {"revision": head_revision()})
+            connection.execute(queries.QUERIES["stamp"], {"revision": head_revision()})
         return True
     finally:
         engine.dispose()
@@ -104,10 +105,10 @@ def refuse_older_than_baseline(connection) -> None:
     """Raises OlderThanBaseline when the database holds a revision that this release no longer has."""
     from alembic.script import ScriptDirectory
 
-    if not connection.execute(queries.VERSION_TABLE_EXISTS).scalar_one():
+    if not connection.execute(queries.QUERIES["version_table_exists"]).scalar_one():
         return
     known = {revision.revision for revision in ScriptDirectory.from_config(alembic_config("")).walk_revisions()}
-    for held in connection.execute(queries.SCHEMA_REVISION).scalars():
+    for held in connection.execute(queries.QUERIES["schema_revision"]).scalars():
         if held not in known:
             raise OlderThanBaseline(
                 f"the database's broker schema is at revision {held}, older than this release's baseline "

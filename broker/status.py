@@ -14,15 +14,17 @@ def node_status(connection: Connection, dead_letters: int = 20) -> dict[str, Any
     ingests, the latest dead letters, and what a database that went back lost."""
     return {
         "version": __version__,
-        "schema_revision": queries.schema_revision(connection),
+        "schema_revision": connection.execute(queries.QUERIES["schema_revision"]).scalar(),
         "queues": queries.as_dicts(queries.queue_statuses(connection)),
-        "activation": queries.as_dicts(queries.activation_statuses(connection)),
-        "conversations": queries.as_dicts(queries.conversation_counts(connection)),
-        "transmission_queue": queries.as_dicts(queries.transmission_by_destination(connection)),
-        "ingests": queries.as_dicts(queries.ingests(connection)),
-        "dead_letters": queries.as_dicts(queries.latest_dead_letters(connection, dead_letters)),
+        "activation": queries.as_dicts(connection.execute(queries.QUERIES["activation_status"])),
+        "conversations": queries.as_dicts(connection.execute(queries.QUERIES["conversation_counts"])),
+        "transmission_queue": queries.as_dicts(connection.execute(queries.QUERIES["transmission_by_destination"])),
+        "ingests": queries.as_dicts(connection.execute(queries.QUERIES["ingests"])),
+        "dead_letters": queries.as_dicts(connection.execute(queries.QUERIES["latest_dead_letters"],
+                                                            {"limit": dead_letters})),
         "lost_messages": [dict(row, explanation=lost_messages_explained(row))
-                          for row in queries.as_dicts(queries.lost_messages(connection, dead_letters))],
+                          for row in queries.as_dicts(connection.execute(queries.QUERIES["lost_messages"],
+                                                                         {"limit": dead_letters}))],
     }
 
 
@@ -60,10 +62,11 @@ def conversation_life(connection: Connection, handle: UUID) -> dict[str, Any] | 
     are gone (acknowledged by the far node, or delivered to a local one), how many arrived and how many of those
     were received, and the first MESSAGES_LISTED messages still here with why each waits, and how many more are
     not listed.  None for an unknown handle."""
-    side = queries.endpoint(connection, handle)
+    side = connection.execute(queries.QUERIES["endpoint"], {"handle": handle}).first()
     if side is None:
         return None
-    rows = queries.conversation_messages(connection, handle, MESSAGES_LISTED)
+    rows = connection.execute(queries.QUERIES["conversation_messages"],
+                              {"handle": handle, "limit": MESSAGES_LISTED}).all()
     counts = rows[0] if rows else None
     return {
         "conversation": side._asdict(),

@@ -44,14 +44,14 @@ def _once(engine: Engine, stop: threading.Event, work: Callable[[Engine], None],
 
 def _fire(engine: Engine) -> None:
     with engine.begin() as connection:
-        connection.execute(queries.FIRE_DUE_EVENTS)
+        queries.call(connection, "fire_due_events")
 
 
 def _count_rollbacks(engine: Engine) -> None:
     counted = 0
     while counted < MOST_COUNTED_AT_ONCE:  # one a transaction: waiting for one group never holds another
         with engine.begin() as connection:
-            if not connection.execute(queries.COUNT_UNREPORTED_ROLLBACKS).scalar_one():
+            if not queries.call(connection, "count_unreported_rollbacks").scalar_one():
                 break
         counted += 1
     if counted:
@@ -75,9 +75,10 @@ def report_dead_letters(engine: Engine, stop: threading.Event) -> None:
         nonlocal reported_up_to
         with engine.connect() as connection:
             if reported_up_to is None:
-                reported_up_to = queries.last_dead_letter(connection)
+                reported_up_to = connection.execute(queries.QUERIES["last_dead_letter"]).scalar_one()
                 return
-            letters = queries.traced_dead_letters_after(connection, reported_up_to)
+            letters = connection.execute(queries.QUERIES["traced_dead_letters_after"],
+                                         {"after": reported_up_to}).all()
         if letters:
             tracing.dead_lettered(letters)
             reported_up_to = letters[-1].dead_letter_id

@@ -132,7 +132,7 @@ def received(queue: str, messages: list, started_ns: int) -> None:
 
 def dead_lettered(letters: list) -> None:
     """A failed dead-letter span at each dead letter's time, for each trace and queue among the dead letters
-    given (rows of broker.queries.traced_dead_letters_after), with the reason of its first."""
+    given (rows of the query traced_dead_letters_after), with the reason of its first."""
     tracer = _tracer()
     by_queue: dict[str, list] = {}
     for letter in letters:

@@ -8,30 +8,27 @@ from broker.errors import translated_errors
 def try_lock(connection: Connection, queue: str, output: str) -> bool:
     """A session lock on (queue, output), held until the connection closes."""
     with translated_errors():
-        return connection.execute(queries.TRY_LOCK_INGEST,
-                                  {"queue": queue, "output": output}).scalar_one()
+        return queries.call(connection, "try_lock_ingest", queue=queue, output=output).scalar_one()
 
 
 def holds_lock(connection: Connection, queue: str, output: str) -> bool:
     """Whether this connection's session still holds the lock on (queue, output)."""
     with translated_errors():
-        return connection.execute(queries.HOLDS_INGEST_LOCK,
-                                  {"queue": queue, "output": output}).scalar_one()
+        return queries.call(connection, "holds_ingest_lock", queue=queue, output=output).scalar_one()
 
 
 def start(connection: Connection, queue: str, output: str) -> tuple[int, int]:
     """The checkpoint and the high-water mark: the run reads the positions in (after, up_to]."""
     with translated_errors():
-        row = connection.execute(queries.START_INGEST,
-                                 {"queue": queue, "output": output}).one()
+        row = queries.select_from(connection, "start_ingest", queue=queue, output=output).one()
     return row.after_position, row.up_to_position
 
 
 def partitions(connection: Connection, queue: str, after: int, up_to: int, count: int) -> list[tuple[int, int]]:
     """Up to `count` consecutive ranges of nearly equal size: (last position, rows) of each."""
     with translated_errors():
-        rows = connection.execute(queries.INGEST_PARTITIONS,
-                                  {"queue": queue, "after": after, "up_to": up_to, "count": count})
+        rows = queries.select_from(connection, "ingest_partitions", queue=queue, after_position=after,
+                                   up_to_position=up_to, partitions=count)
         return [(row.last_position, row.row_count) for row in rows]
 
 
@@ -41,14 +38,14 @@ def advance(connection: Connection, queue: str, output: str, after: int, up_to: 
 
     Refused (LockLost) unless this connection's session holds the lock on (queue, output)."""
     with translated_errors():
-        return connection.execute(
-            queries.ADVANCE_INGEST_CHECKPOINT, {"queue": queue, "output": output, "after": after, "up_to": up_to, "run": run, "rows": rows,
-             "consume": consume}).scalar_one()
+        return queries.call(connection, "advance_ingest_checkpoint", queue=queue, output=output,
+                            after_position=after, up_to_position=up_to, run=run, rows_ingested=rows,
+                            consume=consume).scalar_one()
 
 
 def lag(connection: Connection, queue: str, output: str) -> tuple[int, float] | None:
     """The messages above the checkpoint of (queue, output) and the age of the oldest in seconds; None before
     its first run."""
     with translated_errors():
-        row = connection.execute(queries.INGEST_LAG, {"queue": queue, "output": output}).one_or_none()
+        row = connection.execute(queries.QUERIES["ingest_lag"], {"queue": queue, "output": output}).one_or_none()
     return None if row is None else (row.lag_messages, row.lag_s)

@@ -15,7 +15,7 @@ import signal
 import time
 
 import psycopg2
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
 from broker import queries
@@ -75,8 +75,8 @@ class QueueWatch:
         """Listens from now on: a message committed after this wakes the next wait."""
         if self._session is None:
             self._session = self._engine.connect()
-            self._session.execute(text(queries.LISTEN_FOR_ARRIVALS))
-            queue_id = queries.queue_id(self._session, self._queue)
+            self._session.execute(queries.QUERIES["listen_for_arrivals"])
+            queue_id = self._session.execute(queries.QUERIES["queue_id"], {"queue": self._queue}).scalar()
             self._queue_id = None if queue_id is None else str(queue_id)
 
     def lag(self) -> tuple[int, float] | None:

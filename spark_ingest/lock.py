@@ -53,7 +53,7 @@ class RunLock:
         with self.transaction() as session:
             if not checkpoints.try_lock(session, self._queue, self._output):
                 raise IngestError(f"another ingest of queue {self._queue!r} into {self._output} is running")
-            session.execute(queries.NO_IDLE_SESSION_TIMEOUT)
+            session.execute(queries.QUERIES["no_idle_session_timeout"])
 
     def verify(self) -> None:
         """Raises IngestError unless this session still holds the lock."""

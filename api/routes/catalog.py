@@ -6,6 +6,7 @@ from uuid import UUID
 
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
+from sqlalchemy import TextClause
 
 from broker.api.auth import require
 from broker.api.deps import AdminKey, Database, Key
@@ -66,14 +67,14 @@ class WaitingMessage(BaseModel):
     transmission_status: str = Field(description="why it is still waiting, in words")
 
 
-def _read(db: Database, query, **params) -> list[dict[str, Any]]:
+def _read(db: Database, query: TextClause, **params) -> list[dict[str, Any]]:
     with db.connect() as connection:
-        return queries.as_dicts(query(connection, **params))
+        return queries.as_dicts(connection.execute(query, params))
 
 
 @router.get("/message-types", response_model=list[MessageType], summary="Message types")
 def list_message_types(key: AdminKey, db: Database) -> Any:
-    return _read(db, queries.message_types)
+    return _read(db, queries.QUERIES["message_types"])
 
 
 @router.get("/contracts", response_model=list[Contract], summary="Contracts")
@@ -86,17 +87,17 @@ def list_contracts(key: AdminKey, db: Database) -> Any:
 
 @router.get("/services", response_model=list[Service], summary="Services")
 def list_services(key: AdminKey, db: Database) -> Any:
-    return _read(db, queries.services)
+    return _read(db, queries.QUERIES["services"], names=None)
 
 
 @router.get("/routes", response_model=list[Route], summary="Routes to remote services")
 def list_routes(key: AdminKey, db: Database) -> Any:
-    return _read(db, queries.routes)
+    return _read(db, queries.QUERIES["routes"])
 
 
 @router.get("/broker-priorities", response_model=list[BrokerPriority], summary="Conversation priorities")
 def list_broker_priorities(key: AdminKey, db: Database) -> Any:
-    return _read(db, queries.broker_priorities)
+    return _read(db, queries.QUERIES["broker_priorities"])
 
 
 @router.get("/transmission-queue", response_model=list[WaitingMessage], tags=["queues"],
@@ -104,4 +105,4 @@ def list_broker_priorities(key: AdminKey, db: Database) -> Any:
 def list_transmission_queue(key: Key, db: Database,
                             limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62)) -> Any:
     require(key, "admin")
-    return _read(db, queries.transmission_queue, limit=limit, offset=offset)
+    return _read(db, queries.QUERIES["transmission_queue"], limit=limit, offset=offset)

@@ -181,7 +181,7 @@ def begin_conversation(begin: BeginConversation, key: Key, db: Database) -> Any:
         handle = broker.begin_dialog(connection, begin.from_service, begin.to_service, begin.contract,
                                      lifetime=lifetime, related_conversation_group=begin.related_conversation_group,
                                      related_conversation=begin.related_conversation)
-        return queries.endpoint(connection, handle)._asdict()
+        return connection.execute(queries.QUERIES["endpoint"], {"handle": handle}).first()._asdict()
 
 
 @router.get("/{conversation_handle}", response_model=Conversation, summary="Look at one side of a conversation",
@@ -252,7 +252,7 @@ def end_conversation(conversation_handle: UUID, key: Key, db: Database, end: End
             _sending_endpoint(connection, key, conversation_handle)
             broker.end_conversation(connection, conversation_handle, error_code=end.error_code,
                                     error_description=end.error_description)
-            side = queries.endpoint(connection, conversation_handle)._asdict()
+            side = connection.execute(queries.QUERIES["endpoint"], {"handle": conversation_handle}).first()._asdict()
         outcome.done = f"ended, now {side['state']}"
     return side
 
@@ -266,4 +266,4 @@ def move_conversation(conversation_handle: UUID, move: MoveConversation, key: Ke
     with db.begin() as connection:
         require(key, f"receive:{visibility.conversation(connection, key, conversation_handle).queue_name}")
         broker.move_conversation(connection, conversation_handle, move.conversation_group)
-        return queries.endpoint(connection, conversation_handle)._asdict()
+        return connection.execute(queries.QUERIES["endpoint"], {"handle": conversation_handle}).first()._asdict()

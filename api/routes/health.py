@@ -43,16 +43,18 @@ async def healthz(request: Request) -> Health:
 @router.get("/readyz", summary="Readiness: the database answers and its schema serves this node",
             response_model=Readiness, responses=error_responses(500, 503))
 def readyz(request: Request, db: Database) -> Readiness | Response:
-    """Ready at this node's head revision with its function files as they are, or at a later revision whose
-    functions still serve this node's release (broker.oldest_serving_revision): the database was migrated for the
-    next release, whose revisions only add, and this node goes on until it is upgraded."""
+    """Ready at this node's head revision with its function files as they are, or with a later release's functions
+    that still serve this node's release (broker.function_release), or at a later revision whose functions still
+    serve it (broker.oldest_serving_revision): the database was migrated for the next release, whose revisions only
+    add, and this node goes on until it is upgraded."""
     head = request.app.state.schema_head
     try:
         with db.connect() as connection:
-            version = queries.schema_revision(connection)
+            version = connection.execute(queries.QUERIES["schema_revision"]).scalar()
             later = migrate.is_later(version, head)
             functions = schema.applied_function_checksums(connection) if version == head else None
-            oldest_served = queries.oldest_serving_revision(connection) if later else None
+            release = connection.execute(queries.QUERIES["function_release"]).one_or_none() if version == head else None
+            oldest_served = queries.call(connection, "oldest_serving_revision").scalar_one() if later else None
     except DBAPIError as error:
         return problem(503, "not-ready", "The database is unreachable", str(error.orig).strip()[:300])
     if later:
@@ -64,6 +66,12 @@ def readyz(request: Request, db: Database) -> Readiness | Response:
     if version != head:
         return problem(503, "not-ready", "The broker schema is not at head",
                        f"the database is at revision {version}, this node needs {head}: run 'broker migrate'")
+    if release and schema.is_later_release(release.release, __version__):
+        if schema.is_later_release(release.serves_from, __version__):
+            return problem(503, "not-ready", "The database no longer serves this release",
+                           f"the database holds the functions of release {release.release}, which serve releases "
+                           f"from {release.serves_from} on; this node is of release {__version__}: upgrade this node")
+        return Readiness(status="ready", schema_revision=version)
     ours = request.app.state.function_checksums
     differing = sorted(name for name in ours if ours[name] != functions.get(name))
     if differing:

@@ -190,7 +190,7 @@ def _lease(engine, queue: str, options: ReceiveRequest) -> list[broker.LockedMes
 
 def _queue_id(engine, queue: str) -> int:
     with engine.connect() as connection:
-        return queries.queue_id(connection, queue)
+        return connection.execute(queries.QUERIES["queue_id"], {"queue": queue}).scalar()
 
 
 @router.post("/v1/queues/{queue}/receive", response_model=Received, summary="Receive with peek-lock",
@@ -283,7 +283,7 @@ def get_group_state(lock_token: UUID, key: Key, db: Database) -> GroupState:
     """The state kept for the conversation group this live lock holds (null when none)."""
     with db.begin() as connection:
         visibility.lock_queue(connection, key, lock_token)
-        group = queries.group_of_lock(connection, lock_token)
+        group = connection.execute(queries.QUERIES["group_of_lock"], {"token": lock_token}).scalar()
         return GroupState(state=broker.get_conversation_group_state(connection, group, lock_token))
 
 
@@ -294,7 +294,7 @@ def set_group_state(lock_token: UUID, update: GroupState, key: Key, db: Database
     the next reader of the group reads it, as Service Bus sessions keep theirs."""
     with db.begin() as connection:
         visibility.lock_queue(connection, key, lock_token)
-        group = queries.group_of_lock(connection, lock_token)
+        group = connection.execute(queries.QUERIES["group_of_lock"], {"token": lock_token}).scalar()
         broker.set_conversation_group_state(connection, group, update.state, lock_token)
     return update
 
@@ -351,10 +351,11 @@ def browse_queue(queue: NamePath, key: Key, db: Database,
     with audit.action(key, "browse", f"queue {queue!r}") as outcome:
         require(key, "admin")
         with db.connect() as connection:
-            queue_id = queries.queue_id(connection, queue)
+            queue_id = connection.execute(queries.QUERIES["queue_id"], {"queue": queue}).scalar()
             if queue_id is None:
                 raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
-            rows = queries.waiting_messages(connection, queue_id, limit, offset, PREVIEW_BYTES)
+            rows = connection.execute(queries.QUERIES["waiting_messages"], {
+                "queue_id": queue_id, "limit": limit, "offset": offset, "head_bytes": PREVIEW_BYTES}).all()
         outcome.done = f"waiting messages shown: {len(rows)}"
     return [_waiting_message(row) for row in rows]
 
@@ -395,9 +396,10 @@ def list_dead_letters(queue: NamePath, key: Key, db: Database,
     """The queue's dead letters, oldest first, each with why it was dead-lettered."""
     require(key, f"receive:{queue}")
     with db.connect() as connection:
-        if queries.queue_id(connection, queue) is None:
+        if connection.execute(queries.QUERIES["queue_id"], {"queue": queue}).scalar() is None:
             raise Problem(404, "unknown-object", "No such object", f"unknown queue {queue!r}")
-        letters = queries.dead_letters(connection, queue, limit, offset, max_bytes)
+        letters = connection.execute(queries.QUERIES["dead_letters"], {
+            "queue": queue, "limit": limit, "offset": offset, "max_bytes": max_bytes}).all()
     return Response(f"[{','.join(_dead_letter_json(letter) for letter in letters)}]", media_type="application/json")
 
 

@@ -280,7 +280,7 @@ def list_keys() -> None:
     from broker import queries
 
     with database_engine() as engine, engine.connect() as connection:
-        rows = queries.api_keys(connection)
+        rows = connection.execute(queries.QUERIES["api_keys"]).all()
     table = Table("key id", "name", "scopes", "created", "revoked")
     for row in rows:
         add_cells(table, row.key_id, row.name, " ".join(row.scopes), f"{row.created_at:%Y-%m-%d %H:%M}",
@@ -417,9 +417,10 @@ def dead_letters(queue: str = typer.Argument(..., help="the queue whose dead let
         console.print(f"purged {purged} dead letters of {visible(queue)!r}", markup=False, highlight=False)
         return
     with database_engine() as engine, engine.connect() as connection:
-        if queries.queue_id(connection, queue) is None:
+        if connection.execute(queries.QUERIES["queue_id"], {"queue": queue}).scalar() is None:
             raise typer.BadParameter(f"unknown queue {visible(queue)!r}", param_hint="QUEUE")
-        letters = queries.dead_letters(connection, queue, limit, 0, DEAD_LETTER_BYTES_READ)
+        letters = connection.execute(queries.QUERIES["dead_letters"], {
+            "queue": queue, "limit": limit, "offset": 0, "max_bytes": DEAD_LETTER_BYTES_READ}).all()
     table = Table("conversation", "number", "message type", "attempts", "dead-lettered at", "reason")
     for letter in letters:
         add_cells(table, letter.conversation_handle, letter.message_sequence_number, letter.message_type,
@@ -683,9 +684,10 @@ def bench(
     console.print(f"written to {output}/: results.json, results.md and PNG charts")
 
 
-@app.command()
-def psql() -> None:
-    """Open psql on the broker's database (the embedded one unless BROKER_DATABASE_URL is set)."""
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def psql(context: typer.Context) -> None:
+    """Open psql on the broker's database (the embedded one unless BROKER_DATABASE_URL is set).  Arguments after
+    the command go to psql: broker psql -q -c 'SELECT 1'."""
     import os
 
     from sqlalchemy.engine import make_url
@@ -695,7 +697,8 @@ def psql() -> None:
         # The password goes to psql in its environment, not on a command line that any process can read.
         given = make_url(url)
         environment = {**os.environ, **({"PGPASSWORD": given.password} if given.password else {})}
-        raise typer.Exit(subprocess.call([client, given.set(password=None).render_as_string(hide_password=False)],
+        raise typer.Exit(subprocess.call([client, *context.args,
+                                          given.set(password=None).render_as_string(hide_password=False)],
                                          env=environment))
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, TextClause, create_engine, text
 
 import broker
 from broker import migrate, queries
@@ -52,10 +52,10 @@ class DemoNode:
     def service(self, role: str) -> str:
         return f"//demo/{self.name}/{role}"
 
-    def read(self, query):
-        """query(connection), on a connection of its own."""
+    def read(self, query: TextClause):
+        """The one value the query reads, on a connection of its own."""
         with self.engine.connect() as connection:
-            return query(connection)
+            return connection.execute(query).scalar_one()
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -116,7 +116,7 @@ def _send_orders(a: DemoNode, b: DemoNode, conversations: int, messages: int, lo
                 kills += 1
                 console.print("  killed node a's relay (SIGKILL)")
             if i == 2 * conversations // 3:
-                waiting = a.read(queries.waiting_to_transmit)
+                waiting = a.read(queries.QUERIES["waiting_to_transmit"])
                 a.relay = start_broker(a.database_url, log, "relay")
                 console.print(f"  started node a's relay again, with {waiting} messages waiting for it")
             sender, receiver = (a, b) if i % 2 == 0 else (b, a)
@@ -159,7 +159,7 @@ def _consume(nodes: list[DemoNode], conversations: int, console: Console) -> Non
             closing = progress.add_task("consuming in order, confirming and ending", total=2 * conversations)
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
-                open_endpoints = sum(node.read(queries.open_endpoints) for node in nodes)
+                open_endpoints = sum(node.read(queries.QUERIES["open_endpoints"]) for node in nodes)
                 progress.update(closing, completed=2 * conversations - open_endpoints)
                 if open_endpoints == 0:
                     break
@@ -197,7 +197,7 @@ def run_demo(folder: Path, console: Console, *, conversations: int, messages: in
 
         started = time.monotonic()
         kills = _send_orders(a, b, conversations, messages, log, console)
-        _wait_for(lambda: all(node.read(queries.waiting_to_transmit) == 0 for node in nodes), 120,
+        _wait_for(lambda: all(node.read(queries.QUERIES["waiting_to_transmit"]) == 0 for node in nodes), 120,
                   "the transmission queues to drain")
         relayed_s = time.monotonic() - started
         ingested = _ingest(nodes, folder / "lake", console)
@@ -208,7 +208,7 @@ def run_demo(folder: Path, console: Console, *, conversations: int, messages: in
         for node in nodes:
             with node.engine.connect() as c:
                 stored[node.name] = c.execute(COUNT_STORED).one()
-                open_endpoints[node.name] = queries.open_endpoints(c)
+                open_endpoints[node.name] = c.execute(queries.QUERIES["open_endpoints"]).scalar_one()
         rows = [
             ("order lines sent", arriving, arriving),
             ("stored by the warehouse", {n: stored[n][0] for n in "ab"}, arriving),
@@ -231,5 +231,5 @@ def run_demo(folder: Path, console: Console, *, conversations: int, messages: in
     console.print("Every message arrived exactly once, in order, and Spark ingested each once."
                   if passed else "[red]A guarantee failed.[/red]")
     console.print("Next: `broker status` and `broker diagnose` on a node of your own (`broker serve`), "
-                  "and docs/architecture.md for the message path.")
+                  "and docs/explanation/architecture.md for the message path.")
     return passed
