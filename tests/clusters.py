@@ -16,13 +16,13 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 import psycopg2
 
 from broker.cli.processes import free_port
+from tests.nodes import wait_for
 
 with warnings.catch_warnings():  # it warns at import about XDG_RUNTIME_DIR, which we do not use
     warnings.simplefilter("ignore")
@@ -189,17 +189,17 @@ class Cluster:
         self._wait_for(lambda: self.query("SELECT NOT pg_is_in_recovery()")[0][0], "the end of recovery")
 
     def _wait_for(self, predicate, what: str) -> None:
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            if not self.running:
-                raise RuntimeError(f"{self.name} stopped while waiting for {what}\n{self.log_tail()}")
+        """Waits on the server, failing with its log's end; a server not yet accepting connections is waited for."""
+        def answered():
             try:
-                if predicate():
-                    return
+                return predicate()
             except psycopg2.OperationalError:  # not yet accepting connections
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.name}: timed out after {TIMEOUT_S} s waiting for {what}\n{self.log_tail()}")
+                return False
+
+        try:
+            wait_for(answered, TIMEOUT_S, what, ended=lambda: not self.running and f"{self.name} stopped")
+        except AssertionError as error:
+            raise RuntimeError(f"{self.name}: {error}\n{self.log_tail()}") from None
 
     def log_tail(self, characters: int = 4000) -> str:
         text = self.log_file.read_text(errors="replace") if self.log_file.exists() else "(no log)"

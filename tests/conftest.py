@@ -1,8 +1,11 @@
 """Test databases: one PostgreSQL per session (embedded unless BROKER_TEST_DATABASE_URL names a
 server's admin database), one template migrated with Alembic, and either a fresh database per test or, for a
 test that needs nothing committed, a transaction rolled back after it in a database its module shares."""
+import fcntl
 import os
+import shutil
 import uuid
+from pathlib import Path
 
 import psycopg2
 import pytest
@@ -51,10 +54,39 @@ def admin_url(tmp_path_factory):
         yield given
         return
     server = EmbeddedPostgres(tmp_path_factory.mktemp("embedded")).start()
+    # The tests' own server writes what it commits to the operating system, as ever, but does not wait for the
+    # disk: a process killed at any instant loses nothing still (only a crash of the machine would), and each
+    # commit and each database made for a test costs no disk flush.  Servers of the tests' own (clusters.py) and
+    # the benchmark's keep the defaults.
+    admin_execute(server.url("postgres"), "ALTER SYSTEM SET fsync = off", "ALTER SYSTEM SET full_page_writes = off",
+                  "SELECT pg_reload_conf()")
     try:
         yield server.url("postgres")
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def made_once(tmp_path_factory, worker_id):
+    """made_once(name, make) -> a folder that make(folder) fills once per test run, however many test processes
+    ask for it: the first fills it under a lock, the others wait for it (a wheel built and installed, or an earlier
+    release installed, takes half a minute of both cores)."""
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # the test processes' folders are in one made for this run
+        shared = shared.parent
+
+    def made(name: str, make) -> Path:
+        folder = shared / name
+        with open(shared / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (folder / ".made").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                make(folder)
+                (folder / ".made").touch()
+        return folder
+
+    return made
 
 
 @pytest.fixture(scope="session")
@@ -126,3 +158,12 @@ def nodes(admin_url, template_database, tmp_path):
     from tests.nodes import two_nodes
 
     yield from two_nodes(admin_url, template_database, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_nodes(admin_url, template_database, tmp_path_factory):
+    """Two nodes that a module's tests share: for tests that leave them as they found them but for conversations
+    of their own (in a module whose tests check that b stores nothing, only tests of requests b refuses whole)."""
+    from tests.nodes import two_nodes
+
+    yield from two_nodes(admin_url, template_database, tmp_path_factory.mktemp("shared_nodes"))

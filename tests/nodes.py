@@ -16,14 +16,20 @@ CONTRACTS = {"orders": {"order.submit": "initiator", "order.ack": "target", "ord
              "audit": {"order.note": "any"}}
 
 
-def wait_for(predicate, timeout_s=30.0, what="the condition"):
+def wait_for(predicate, timeout_s=30.0, what="the condition", *, interval_s=0.05, ended=None):
+    """Polls predicate until it returns something true, and returns that.  `ended`, when given, is asked each time
+    whether what is awaited can no longer come (a process that stopped): it returns why, or None."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         value = predicate()
         if value:
             return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        reason = ended() if ended else None
+        if reason:
+            raise AssertionError(f"{reason}, before {what}")
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
 
 
 class Node:
@@ -62,7 +68,7 @@ class Node:
                                             cwd=self.release.home if self.release else None)
 
     def wait_until_up(self):
-        wait_for(self._healthy, 30, f"node {self.name} to answer /healthz")
+        wait_for(self._healthy, 60, f"node {self.name} to answer /healthz")  # a loaded machine starts it slowly
 
     def _healthy(self):
         if self.process.poll() is not None:

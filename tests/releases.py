@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-# The last release before this one (revision 0034, wire versions 2 and 3): the release this one must talk to, both
+# The last release before this one (revision 0035, wire versions 3 and 4): the release this one must talk to, both
 # ways, and whose databases this release's migrations take over while it serves.
-PREVIOUS_RELEASE = "0.1.0"
-PREVIOUS_REVISION = "0034"
+PREVIOUS_RELEASE = "0.2.0"
+PREVIOUS_REVISION = "0035"
+PREVIOUS_WIRE_VERSION = 4
 
 
 def commit_of(version: str) -> str:
@@ -50,15 +51,21 @@ def install(version: str, directory: Path) -> Release:
     dependencies are this environment's, named by a .pth file rather than downloaded again: the releases pin the
     same versions."""
     source = checkout(version, directory / "source")
-    environment = directory / "environment"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True, timeout=120)
-    python = environment / "bin" / "python"
-    site_packages = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                   capture_output=True, text=True, check=True).stdout.strip()
+    release = installed_in(directory)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(release.home)], check=True, timeout=120)
+    site_packages = subprocess.run(
+        [str(release.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True).stdout.strip()
     (Path(site_packages) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps",
+    subprocess.run([str(release.python), "-m", "pip", "install", "--quiet", "--no-deps",
                     "--target", site_packages, str(source)], check=True, capture_output=True, timeout=300)
-    return Release(python, environment)
+    return release
+
+
+def installed_in(directory: Path) -> Release:
+    """The release that install() put in directory."""
+    environment = directory / "environment"
+    return Release(environment / "bin" / "python", environment)
 
 
 def run(release: Release, *arguments: str, database_url: str) -> None:

@@ -117,3 +117,9 @@ def test_status_shows_queues_conversations_and_the_transmission_queue(engine, or
     for expected in ("Queues", "warehouse_queue", "Conversation endpoints", "Transmission queue",
                      "waiting for its first transmission", "Spark ingests: none", "Latest dead letters: none"):
         assert expected in tables.stdout
+
+
+def test_psql_passes_the_arguments_after_it_to_psql(database_url):
+    result = _run("psql", "-X", "-qAt", "-c", "SELECT count(*) FROM broker.node",
+                  env={"BROKER_DATABASE_URL": database_url})
+    assert (result.returncode, result.stdout) == (0, "1\n"), result.stderr

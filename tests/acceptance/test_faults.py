@@ -122,7 +122,7 @@ def test_exactly_once_in_order_under_kills_crashes_and_a_faulty_network(admin_ur
         to_b.enabled = to_a.enabled = False
         total = CONVERSATIONS * MESSAGES_PER_CONVERSATION
         wait_for(lambda: b.scalar("SELECT count(*) FROM received_log") >= total, 180, "b to record every message")
-        wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 60, "a's queue to drain")
+        wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 60, "a's queue to drain")
     finally:
         stop_faults.set()
         stop_consumer.set()

@@ -18,7 +18,7 @@ from tests import factories
 from tests.clusters import Cluster
 from tests.conftest import _fresh_database, admin_execute
 from tests.integration.test_diagnose import _diagnose
-from tests.nodes import SECRET, Node, define_node, serve_pair, stop_all, wait_for
+from tests.nodes import Node, serve_pair, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def received(node, queue, count):
 
 
 def drained(*nodes):
-    wait_for(lambda: all(node.scalar("SELECT count(*) FROM broker.transmission_queue") == 0 for node in nodes), 60,
+    wait_for(lambda: all(node.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0 for node in nodes), 60,
              "every message to be acknowledged")
 
 

@@ -24,16 +24,12 @@ NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-inf
 OPTIONAL = {"pyspark", "matplotlib", "pika"}
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """A fresh virtual environment with the wheel installed, and the environment to run its commands in."""
-    folder = tmp_path_factory.mktemp("wheel")
-    assert not folder.is_relative_to(ROOT)
-    source = folder / "source"  # built from a copy, so that the build leaves nothing in the checkout
+def _build_and_install(folder: Path) -> None:
+    """The wheel, built from a copy of the checkout (the build leaves nothing in it), installed into a fresh virtual
+    environment, folder / "venv"."""
+    source = folder / "source"
     shutil.copytree(ROOT, source, ignore=NOT_SOURCE)
-    # Nothing of the checkout or of the test's environment on the path of the installed commands.
-    env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    quiet = ["-q", "--disable-pip-version-check"]
+    env, quiet = _outside(), ["-q", "--disable-pip-version-check"]
     subprocess.run([sys.executable, "-m", "pip", "wheel", *quiet, "--no-deps", str(source), "-w", str(folder / "dist")],
                    cwd=folder, env=env, check=True, capture_output=True, timeout=180)
     (wheel,) = (folder / "dist").glob("pg_broker-*.whl")
@@ -42,7 +38,20 @@ def installed(tmp_path_factory):
     subprocess.run([venv / "bin" / "pip", "install", *quiet, "--no-compile", str(wheel)], cwd=folder, env=env,
                    check=True, capture_output=True, timeout=300)
     shutil.rmtree(source)
-    return venv / "bin", folder, env
+
+
+def _outside() -> dict[str, str]:
+    """Nothing of the checkout or of the test's environment on the path of the installed commands."""
+    return {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+@pytest.fixture(scope="module")
+def installed(made_once, tmp_path_factory):
+    """The wheel installed into a fresh virtual environment (made once for the test run), a folder of this test
+    process's own to run its commands in, and the environment to run them with."""
+    built = made_once("wheel", _build_and_install)
+    assert not built.is_relative_to(ROOT)
+    return built / "venv" / "bin", tmp_path_factory.mktemp("wheel"), _outside()
 
 
 def _run(installed, *command, env=None):

@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 import broker
-from broker import queries
+from broker import queries, relay
 from broker.transport import receiving, signing, wire
 from tests import factories
 from tests.conftest import _fresh_database, admin_execute, with_database
@@ -80,36 +80,32 @@ def carry(a, b, *, max_messages=1000, answer_lost=False, version=wire.WIRE_VERSI
     lost on the way.  The answer's result for each conversation side, by conversation id; None when nothing
     was due."""
     batch = io.BytesIO()
-    connection = a.engine.raw_connection()
-    try:
-        with connection.cursor() as cursor:
-            cursor.copy_expert(cursor.mogrify(queries.NEXT_BATCH[version], {
+    with a.engine.connect() as c:  # one session reads the batch and applies its answer, as a relay lane does
+        with c.begin(), c.connection.cursor() as cursor:
+            cursor.copy_expert(queries.with_values(cursor, relay.NEXT_BATCH[version], {
                 "address": WAREHOUSE_ADDRESS, "max_messages": max_messages, "max_bytes": 8 << 20,
-                "first": FIRST_HANDLE, "last": LAST_HANDLE}).decode(), batch)
+                "first": FIRST_HANDLE, "last": LAST_HANDLE}), batch)
             carried = cursor.rowcount
-        connection.commit()
-    finally:
-        connection.close()
-    if not carried:
-        return None
-    batch = batch.getvalue()
-    media_type = wire.media_type(version)
-    purpose = signing.request_purpose("POST", signing.BATCHES_PATH, media_type, str(b.instance))
-    headers = {"content-type": media_type, **signing.signed_headers(SECRET, str(a.instance), purpose, batch)}
-    _, answer = receiving.accept_batch(b.engine, str(b.instance), str(a.instance), headers, batch)
-    if not answer_lost:
-        sides = wire.last_numbers(batch)
-        with a.engine.begin() as c:
-            c.execute(queries.APPLY_ANSWER, {"answer": answer.decode(), "by_initiator": [i for _, i in sides],
-                                             "conversations": [conversation for conversation, _ in sides],
-                                             "last_sent": list(sides.values())})
+        if not carried:
+            return None
+        batch = batch.getvalue()
+        media_type = wire.media_type(version)
+        purpose = signing.request_purpose("POST", signing.BATCHES_PATH, media_type, str(b.instance))
+        headers = {"content-type": media_type, **signing.signed_headers(SECRET, str(a.instance), purpose, batch)}
+        _, answer = receiving.accept_batch(b.engine, str(b.instance), str(a.instance), headers, batch)
+        if not answer_lost:
+            sides = wire.last_numbers(batch)
+            with c.begin():
+                queries.call(c, "apply_transport_results", casts={"answer": "jsonb", "sent_conversations": "uuid[]"},
+                             answer=answer.decode(), sent_conversations=[conversation for conversation, _ in sides],
+                             sent_by_initiator=[i for _, i in sides], last_sent=list(sides.values()))
     return {result["conversation_id"]: result for result in json.loads(answer)["results"]}
 
 
 def carry_all(a, b, **options):
     """Batches until a has nothing left to send (a side held back is due again within a second)."""
     deadline = time.monotonic() + 30
-    while a.scalar("SELECT count(*) FROM broker.transmission_queue"):
+    while a.scalar("SELECT count(*) FROM broker.transmission_queue_status"):
         assert time.monotonic() < deadline, "a's transmission queue did not drain"
         if carry(a, b, **options) is None:
             time.sleep(0.1)
@@ -207,7 +203,7 @@ def test_a_receiver_that_holds_a_conversation_back_answers_what_it_holds(b_holds
         [result] = carry(a, b).values()
         assert (result["held"], result["acknowledged"]) == (6, 6)
         assert ("waiting" in result) == (held_back == "application holds it")
-        assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 5  # the notice and new 1 to 4
+        assert a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 5  # the notice and new 1 to 4
         assert lost_messages(a) == [("sent", "renumbered", 5, 6)]
     finally:
         if held_back == "application holds it":
@@ -217,6 +213,24 @@ def test_a_receiver_that_holds_a_conversation_back_answers_what_it_holds(b_holds
             broker.alter_queue(c, factories.WAREHOUSE_QUEUE, enabled=True)
     carry_all(a, b)
     assert_renumbered_past_what_b_held(a, b)
+
+
+def test_a_refusal_says_what_the_receiver_held_and_acknowledges_no_more(shop_and_warehouse):
+    """A conversation refused answers in the same terms as any other: what b held before (held), which is all it
+    acknowledges; a's side ends with broker.error, and a moves past nothing b did not take."""
+    a, b = shop_and_warehouse
+    with a.engine.begin() as c:
+        handle = factories.begin(c)
+    send_notes(a, handle, "1", "2")
+    carry_all(a, b)
+    with b.engine.begin() as c:  # b now takes smaller bodies than a sends
+        c.execute(text("UPDATE broker.node SET max_message_bytes = 100"))
+    send_notes(a, handle, "3" * 200)
+    [result] = carry(a, b).values()
+    assert (result["held"], result["acknowledged"], result["refused"]["sqlstate"]) == (2, 2, "BR051")
+    assert held_by_b(b) == 2
+    assert a.scalar("SELECT acknowledged_sequence FROM broker.transmission_progress") == 2
+    assert a.scalar("SELECT state FROM broker.endpoints") == "error"
 
 
 def test_a_restored_sender_with_nothing_more_to_send_is_found_by_its_probe(shop_and_warehouse):
@@ -233,7 +247,8 @@ def test_a_restored_sender_with_nothing_more_to_send_is_found_by_its_probe(shop_
     a.restore(copy)
     with a.engine.begin() as c:
         conversation = c.execute(text("SELECT conversation_id FROM broker.endpoints")).scalar_one()
-        assert c.execute(queries.PROBE_CONVERSATION, {"conversation": conversation, "by_initiator": True}).scalar() == 1
+        assert queries.call(c, "probe_conversation", casts={"conversation": "uuid"}, conversation=conversation,
+                            sender_is_initiator=True).scalar() == 1
     [result] = carry(a, b).values()
     assert result["held"] == 2
     assert lost_messages(a) == [("sent", "renumbered", 2, 2)]
@@ -254,7 +269,7 @@ def test_a_receiver_that_took_a_batch_whose_answer_was_lost_acknowledges_it_agai
     assert held_by_b(b) == 5
     [result] = carry(a, b, max_messages=2).values()  # 1 and 2: b holds 5, whose id a checks
     assert (result["held"], result["acknowledged"]) == (5, 5)
-    assert a.scalar("SELECT min(message_sequence_number) FROM broker.transmission_queue") == 3
+    assert a.scalar("SELECT min(message_sequence_number) FROM broker.transmission_queue_status") == 3
     send_notes(a, handle, "note 6")
     carry_all(a, b)
     assert delivered(b) == [("order.note", f"note {n}") for n in range(1, 7)]

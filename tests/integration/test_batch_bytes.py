@@ -53,7 +53,7 @@ def test_a_backlog_larger_than_the_far_nodes_request_limit_drains(nodes):
     _send_while_b_is_down(a, b, 1, 1000, 70 * KB)
     b.start()
     _assert_arrived_in_order(b, 1, 1000, 70 * KB, timeout_s=120)
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the acknowledgements")
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 30, "the acknowledgements")
 
 
 def test_the_relay_learns_the_far_nodes_smaller_limit(nodes):
@@ -93,7 +93,7 @@ def test_a_message_the_far_node_never_takes_holds_back_its_conversation_alone(no
     wait_for(lambda: "over that node's limit of 262144 bytes" in a.scalar(
         "SELECT string_agg(DISTINCT transmission_status, '; ') FROM broker.transmission_queue_status"
         " WHERE conversation_handle = :h", h=stuck), 30, "the large message refused on its own (HTTP 413)")
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 2, 30,
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 2, 30,
              "the acknowledgements of everything but the two held back")
     code, findings = _diagnose(a)
     assert code == 1

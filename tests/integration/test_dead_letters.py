@@ -18,7 +18,8 @@ from tests.rest import ApiServer, new_key
 
 def _letters(engine, queue=WAREHOUSE_QUEUE):
     with engine.connect() as connection:
-        return queries.dead_letters(connection, queue, 100, 0, max_bytes=2**20)
+        return connection.execute(queries.QUERIES["dead_letters"],
+                                  {"queue": queue, "limit": 100, "offset": 0, "max_bytes": 2**20}).all()
 
 
 def _warehouse_side(engine):

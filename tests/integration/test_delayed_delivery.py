@@ -38,15 +38,15 @@ def test_a_held_message_and_those_after_it_wait_for_its_time_and_others_do_not(e
     assert _received(engine) == [(1, b"not held")]
     assert _received(engine) == []
     with engine.begin() as connection:
-        [(message_type, status)] = {(r.message_type, r.transmission_status.split(",")[0])
-                                    for r in queries.transmission_queue(connection, 10, 0)}
+        waiting = connection.execute(queries.QUERIES["transmission_queue"], {"limit": 10, "offset": 0})
+        [(message_type, status)] = {(r.message_type, r.transmission_status.split(",")[0]) for r in waiting}
         assert (message_type, status) == ("order.note", "held until its delivery time")
     with engine.begin() as connection:
         arrived = broker.receive(connection, WAREHOUSE_QUEUE, None, wait_ms=5000)
     assert time.monotonic() - sent >= 1.4
     assert [(m.message_sequence_number, m.body) for m in arrived] == [(1, b"first"), (2, b"second")]
     with engine.connect() as connection:
-        assert connection.execute(text("SELECT count(*) FROM broker.transmission_queue")).scalar_one() == 0
+        assert connection.execute(text("SELECT count(*) FROM broker.transmission_queue_status")).scalar_one() == 0
         assert connection.execute(text("SELECT held_until FROM broker.endpoints"
                                        " WHERE conversation_handle = :h"), {"h": held}).scalar_one() is None
 
@@ -128,10 +128,10 @@ def test_a_timer_or_a_lifetime_that_ends_past_the_year_9999_is_refused(engine, o
 def test_status_and_diagnose_tell_held_messages_from_stuck_ones(engine, orders):
     with engine.begin() as connection:
         broker.send(connection, begin(connection), "order.note", "held", deliver_after=60 * SECOND)
-        [destination] = queries.transmission_by_destination(connection)
+        [destination] = connection.execute(queries.QUERIES["transmission_by_destination"])
         assert (destination.destination, destination.messages) == ("(this node)", 1)
         assert destination.status.startswith("held until its delivery time")
-        assert queries.unrouted_services(connection) == []
+        assert connection.execute(queries.QUERIES["unrouted_services"]).all() == []
 
 
 def test_a_reply_held_by_the_target_keeps_the_reply_order(engine, orders):
@@ -159,11 +159,11 @@ def test_held_messages_cross_to_another_node_in_order(nodes):
     sent = time.monotonic()
     assert [m.json() for m in b.receive_all("warehouse_queue", 1)] == [{"n": 0}]
     time.sleep(1)
-    assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 2  # still held on a
+    assert a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 2  # still held on a
     arrived = b.receive_all("warehouse_queue", 2)
     assert time.monotonic() - sent >= 1.9
     assert [(m.message_sequence_number, m.json()) for m in arrived] == [(1, {"n": 1}), (2, {"n": 2})]
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "a's queue to drain")
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 30, "a's queue to drain")
 
 
 def test_rest_sends_a_held_message_numbered_or_not(database_url, orders, engine):

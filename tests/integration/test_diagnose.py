@@ -153,7 +153,7 @@ def test_messages_that_nobody_relays_are_found_with_what_to_start(nodes):
 
     a.start()
     b.receive_all("warehouse_queue", 3)
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, what="the acknowledgements")
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, what="the acknowledgements")
     code, findings = _diagnose(a)
     assert code == 0, _errors(findings)
 
@@ -188,7 +188,7 @@ def test_a_batch_the_far_node_accepts_is_acknowledged_at_a_skew_just_past_the_li
     _skew_clock(b, "-300.6", BROKER_MAX_CLOCK_SKEW_S="302")
     _send_notes(a, 5)
     assert [m.body for m in b.receive_all("warehouse_queue", 5)] == [f"note {n}".encode() for n in range(5)]
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, what="the acknowledgements")
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, what="the acknowledgements")
 
     code, findings = _diagnose(a)  # a accepts at most 300 s: b's own batches would be refused here
     clock = _errors(findings)[f"node {b.address}"]

@@ -17,14 +17,14 @@ ALL_HANDLES = ("00000000-0000-0000-0000-000000000000", "ffffffff-ffff-ffff-ffff-
 RECORD_FAILURE = text("SELECT broker.record_transport_failure(:destination, :first, :last, 'connection refused',"
                       " CAST(:retry_after AS interval))")
 ROW_VERSIONS = text("SELECT array_agg(ctid::text ORDER BY conversation_handle, message_sequence_number)"
-                    " FROM broker.transmission_queue")
+                    " FROM broker.transmission_log")
 BATCH = text("SELECT conversation_id, sequence_number FROM broker.transport_batch(:destination, 1000, 8388608,"
              " :first, :last)")
 ROWS_READ = text(
     "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes"
-    "        WHERE schemaname = 'broker' AND relname = 'transmission_queue')"
+    "        WHERE schemaname = 'broker' AND relname = 'transmission_log')"
     "     + (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables"
-    "        WHERE schemaname = 'broker' AND relname = 'transmission_queue')")
+    "        WHERE schemaname = 'broker' AND relname = 'transmission_log')")
 
 
 def _rows_read(engine) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
+from tests.nodes import wait_for
 from tests.factories import WAREHOUSE_QUEUE
 from tests.integration.test_spark_ingest import (BIN, _files_under, _start, dataset_content, positions,
                                                  queue_content, send_conversations, spark)
@@ -34,11 +35,11 @@ def _lag(engine, lake: Path) -> tuple[int, float] | None:
 
 
 def _wait_for(process: subprocess.Popen, reached, what: str, log: Path, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not reached():
-        assert process.poll() is None, f"the follow ended before {what}: {log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"the follow never reached {what}: {log.read_text()[-3000:]}"
-        time.sleep(0.05)
+    """Waits for the follow to reach something, failing with its log's end if it ends or never does."""
+    try:
+        wait_for(reached, timeout_s, what, ended=lambda: process.poll() is not None and "the follow ended")
+    except AssertionError as error:
+        raise AssertionError(f"{error}: {log.read_text()[-3000:]}") from None
 
 
 def _caught_up(engine, lake: Path):
@@ -112,6 +113,7 @@ def test_follow_ingests_what_commits_while_it_runs_and_shows_its_lag(spark, engi
     assert content == queue_content(engine)
 
 
+@pytest.mark.timeout(600)  # several Spark runs, each a JVM of its own: a loaded machine takes minutes
 def test_sigterm_during_a_run_lets_it_commit_and_a_restart_goes_on_without_duplicates(spark, engine, orders,
                                                                                         tmp_path):
     url, lake, log = engine.url.render_as_string(hide_password=False), tmp_path / "lake", tmp_path / "follow.log"

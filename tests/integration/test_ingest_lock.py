@@ -3,6 +3,7 @@ import pytest
 from sqlalchemy import text
 
 import broker
+from broker import queries
 from broker.errors import translated_errors
 from tests.factories import WAREHOUSE_QUEUE
 
@@ -10,17 +11,14 @@ OUTPUTS = [f"file:/lake/{i}" for i in range(8)]  # lock keys of both signs
 
 
 def _call(connection, function: str, output: str, **arguments):
-    names = ", ".join(f":{name}" for name in arguments)
-    return connection.execute(text(f"SELECT broker.{function}(:queue, :output{', ' if names else ''}{names})"),
-                              {"queue": WAREHOUSE_QUEUE, "output": output, **arguments}).scalar_one()
+    return queries.call(connection, function, queue=WAREHOUSE_QUEUE, output=output, **arguments).scalar_one()
 
 
 def _advance(connection, output: str) -> int:
-    connection.execute(text("SELECT broker.start_ingest(:queue, :output)"),
-                       {"queue": WAREHOUSE_QUEUE, "output": output})
+    _call(connection, "start_ingest", output)
     with translated_errors():
-        return _call(connection, "advance_ingest_checkpoint", output, after=0, up_to=10, run="0-10", rows=0,
-                     consume=False)
+        return _call(connection, "advance_ingest_checkpoint", output, after_position=0, up_to_position=10,
+                     run="0-10", rows_ingested=0, consume=False)
 
 
 def test_only_the_session_holding_the_lock_advances_the_checkpoint(engine, orders):

@@ -38,7 +38,7 @@ def listening(database_url):
     """A listen() running in a thread: what it was called with, in order, and its stop."""
     calls: queue.Queue = queue.Queue()
     stop = threading.Event()
-    thread = threading.Thread(target=listen, args=(database_url, f"LISTEN {CHANNEL}", stop, 0.05, calls.put,
+    thread = threading.Thread(target=listen, args=(database_url, f"LISTEN {CHANNEL}", stop, calls.put,
                                                    "arrivals"), daemon=True)
     thread.start()
     yield calls

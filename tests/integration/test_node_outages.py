@@ -265,9 +265,9 @@ def test_every_500_is_logged_with_its_traceback_and_no_secret(database_url, engi
         with engine.begin() as connection:  # a function the API calls fails, naming another database
             connection.execute(text("ALTER FUNCTION broker.send(uuid, text, bytea, interval, timestamptz)"
                                     " RENAME TO send_aside"))
-            connection.execute(text(
-                "CREATE FUNCTION broker.send(uuid, text, bytea, interval, timestamptz) RETURNS bigint"
-                " LANGUAGE plpgsql AS $$ BEGIN"
+            connection.execute(text(  # with the parameters' names, which the API calls it by
+                "CREATE FUNCTION broker.send(conversation_handle uuid, message_type text, body bytea,"
+                " deliver_after interval, deliver_at timestamptz) RETURNS bigint LANGUAGE plpgsql AS $$ BEGIN"
                 f" RAISE 'cannot reach postgresql://reports:{password}@10.0.0.9/reports"
                 f" (host=10.0.0.9 password={password})'; END $$"))
         response = client.send(handle, {"card": "4111-1111-1111-1111"})

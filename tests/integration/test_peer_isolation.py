@@ -34,14 +34,22 @@ def _signed_answer(secret: str, instance: str, request_headers, body: bytes) -> 
                                   body)
 
 
-@pytest.fixture
-def rogue(nodes):
+def _route_rogue(b):
     """A second peer of b: its own broker_instance and secret, and a route on b to its service 'rogue'."""
-    _, b = nodes
     instance = uuid.uuid4()
     with b.engine.begin() as c:
         broker.create_route(c, "rogue", NOT_LISTENING, instance, ROGUE_SECRET)
     return instance
+
+
+@pytest.fixture
+def rogue(nodes):
+    return _route_rogue(nodes[1])
+
+
+@pytest.fixture(scope="module")
+def shared_rogue(shared_nodes):
+    return _route_rogue(shared_nodes[1])
 
 
 def _rows(conversation_id, numbers, *, sender_is_initiator=True, from_service="shop", to_service="warehouse",
@@ -75,22 +83,28 @@ def _conversation_id(node, handle):
     return node.scalar("SELECT conversation_id FROM broker.endpoints WHERE conversation_handle = :h", h=handle)
 
 
+def _arrived(node, conversation):
+    return node.scalar("SELECT count(*) FROM broker.queue_messages WHERE conversation_id = :c", c=conversation)
+
+
 def _a_to_b(a, b, messages=2):
     """A conversation from a's shop to b's warehouse with its first messages arrived at b; its conversation id."""
     with a.engine.begin() as c:
         handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
         for n in range(1, messages + 1):
             broker.send(c, handle, "order.note", json.dumps({"line": n}))
-    wait_for(lambda: b.scalar("SELECT count(*) FROM broker.queue_messages") == messages, 30, "b to get them")
-    return _conversation_id(a, handle)
+    conversation = _conversation_id(a, handle)
+    wait_for(lambda: _arrived(b, conversation) == messages, 30, "b to get them")
+    return conversation
 
 
 def _b_to_a(a, b):
     with b.engine.begin() as c:
         handle = broker.begin_dialog(c, "warehouse", "shop", "orders")
         broker.send(c, handle, "order.note", "{}")
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.queue_messages") == 1, 30, "a to get it")
-    return _conversation_id(b, handle)
+    conversation = _conversation_id(b, handle)
+    wait_for(lambda: _arrived(a, conversation) == 1, 30, "a to get it")
+    return conversation
 
 
 def _local_at_b(a, b):
@@ -106,13 +120,17 @@ def _forgotten_at_b(a, b):
         with node.engine.begin() as c:
             c.execute(text("UPDATE broker.node SET closed_endpoint_retention = '0'"))
     conversation = _a_to_b(a, b, messages=1)
+    handle = "SELECT conversation_handle FROM broker.endpoints WHERE conversation_id = :c"
     with a.engine.begin() as c:
-        broker.end_conversation(c, c.execute(text("SELECT conversation_handle FROM broker.endpoints")).scalar_one())
-    wait_for(lambda: b.scalar("SELECT count(*) FROM broker.queue_messages") == 2, 30, "b to get the end")
+        broker.end_conversation(c, c.execute(text(handle), {"c": conversation}).scalar_one())
+    wait_for(lambda: _arrived(b, conversation) == 2, 30, "b to get the end")
     with b.engine.begin() as c:
-        broker.end_conversation(c, broker.receive(c, "warehouse_queue", 10)[0].conversation_handle)
+        at_b = c.execute(text(handle), {"c": conversation}).scalar_one()
+        assert len(broker.receive(c, "warehouse_queue", 10, conversation_handle=at_b)) == 2
+        broker.end_conversation(c, at_b)
     for node in (a, b):
-        wait_for(lambda: node.scalar("SELECT count(*) FROM broker.endpoints") == 0, 30, f"{node.name} to forget")
+        wait_for(lambda: node.scalar("SELECT count(*) FROM broker.endpoints WHERE conversation_id = :c",
+                                     c=conversation) == 0, 30, f"{node.name} to forget")
     return conversation
 
 
@@ -130,12 +148,12 @@ FOREIGN = {
 
 @pytest.mark.parametrize("known,sender_is_initiator", FOREIGN.values(), ids=FOREIGN.keys())
 @pytest.mark.parametrize("message_type", ["order.note", "broker.end_dialog"])
-def test_a_peer_cannot_touch_a_conversation_that_is_not_its_own(nodes, rogue, known, sender_is_initiator,
-                                                                 message_type):
-    a, b = nodes
+def test_a_peer_cannot_touch_a_conversation_that_is_not_its_own(shared_nodes, shared_rogue, known,
+                                                                 sender_is_initiator, message_type):
+    a, b = shared_nodes
     conversation = known(a, b)
     before = _state(b)
-    results = _post_as_rogue(b, rogue, _rows(conversation, [1, 2, 3], sender_is_initiator=sender_is_initiator,
+    results = _post_as_rogue(b, shared_rogue, _rows(conversation, [1, 2, 3], sender_is_initiator=sender_is_initiator,
                                              message_type=message_type))
     # refused as unknown, as a conversation that does not exist is: no number, no state told
     assert results == {(str(conversation), sender_is_initiator): {
@@ -155,7 +173,7 @@ def test_the_conversation_a_peer_meddled_with_goes_on_with_its_own_peer(nodes, r
     assert [(m.message_sequence_number, m.message_type, m.json()) for m in at_b] == [
         (n, "order.note", {"line": n}) for n in (1, 2, 3)]
     assert b.scalar("SELECT state FROM broker.endpoints") == "conversing"
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "a's queue to drain")
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 30, "a's queue to drain")
 
 
 @pytest.mark.parametrize("message_type", ["order.note", "order.submit", "broker.end_dialog"])
@@ -218,7 +236,7 @@ def test_a_peers_answer_cannot_settle_another_peers_conversation(nodes, verdict)
             ids = dict(c.execute(text("SELECT conversation_handle, conversation_id::text FROM broker.endpoints")).all())
             forged += [{"conversation_id": ids[for_rogue], "sender_is_initiator": True, "acknowledged": 1},
                        {"conversation_id": ids[for_b], "sender_is_initiator": True, **verdict}]
-        wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue"
+        wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status"
                                   " WHERE conversation_handle = :h", h=for_rogue) == 0, 30,
                  "the rogue's answer for its own conversation to be applied")
     finally:
@@ -282,7 +300,7 @@ def test_an_answer_counts_only_for_the_request_it_answers(nodes):
             broker.create_route(c, "warehouse", proxy.address, b.instance, SECRET)
             handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
             broker.send(c, handle, "order.note", json.dumps({"line": 1}))
-        wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the first answer")
+        wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 30, "the first answer")
         with a.engine.begin() as c:
             broker.send(c, handle, "order.note", json.dumps({"line": 2}))
         status = wait_for(lambda: a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status"

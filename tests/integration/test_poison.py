@@ -1,6 +1,5 @@
 """Poison messages: a message whose processing keeps failing is quarantined; the queue keeps flowing."""
 import threading
-import time
 from datetime import timedelta
 
 from sqlalchemy import text
@@ -8,6 +7,7 @@ from sqlalchemy import text
 import broker
 from broker.activation import process_batch, run_activation
 from tests.factories import SHOP_QUEUE, WAREHOUSE_QUEUE, begin, endpoint_state, target_handle
+from tests.nodes import wait_for
 
 
 def _failing_on(body):
@@ -106,15 +106,10 @@ def test_activation_quarantines_a_poison_conversation_while_others_flow(engine, 
     worker = threading.Thread(target=run_activation, args=(engine, WAREHOUSE_QUEUE, handler, stop),
                               kwargs={"max_readers": 3, "max_messages": 4, "wait_ms": 100})
     worker.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with engine.begin() as c:
-            left = c.execute(text("SELECT depth FROM broker.queue_status WHERE queue_name = :q"),
-                             {"q": WAREHOUSE_QUEUE}).scalar_one()
-        if left == 0:
-            break
-        time.sleep(0.1)
-    stop.set()
+    try:
+        wait_for(lambda: _depth(engine) == 0, 60, "the queue to drain", interval_s=0.1)
+    finally:
+        stop.set()
     worker.join()
 
     with engine.begin() as c:
@@ -135,3 +130,9 @@ def test_activation_quarantines_a_poison_conversation_while_others_flow(engine, 
     assert poisoned[:4] == [(i + 1, f"0:{i}".encode()) for i in range(4)]
     [(number, notice)] = poisoned[4:]  # then only the local broker.error notice
     assert number == 0 and b'"code": -2' in notice
+
+
+def _depth(engine) -> int:
+    with engine.begin() as c:
+        return c.execute(text("SELECT depth FROM broker.queue_status WHERE queue_name = :q"),
+                         {"q": WAREHOUSE_QUEUE}).scalar_one()

@@ -157,19 +157,11 @@ def test_a_retry_after_a_lost_response_is_stored_once(api, engine):
                           f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
                           f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         with api.client(key) as client:
-            assert _wait_for_depth(client, 1)  # committed; the answer is never read
+            wait_for(lambda: client.get("/v1/queues/warehouse_queue").json()["depth"] == 1, 10,
+                     "the send to commit")  # committed; the answer is never read
     with api.client(key) as client:
         assert _send(client, handle, {"n": 1}, number=1).json() == {"sequence_number": 1, "duplicate": True}
         assert client.get("/v1/queues/warehouse_queue").json()["depth"] == 1
-
-
-def _wait_for_depth(client, depth, timeout_s=10):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if client.get("/v1/queues/warehouse_queue").json()["depth"] == depth:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_receive_waits_for_an_arrival_and_answers_204_when_none_comes(admin):
@@ -472,6 +464,24 @@ def test_readiness_follows_the_database_and_the_schema(api, engine):
             connection.execute(text("UPDATE broker.function_files SET sha256 = '\\x00' WHERE file_name = '05_send.sql'"))
         problem = _is_problem(anyone.get("/readyz"), 503, "not-ready")
         assert "other versions of 05_send.sql: run 'broker migrate'" in problem["detail"]
+        migrate.upgrade(engine.url.render_as_string(hide_password=False))
+        assert anyone.get("/readyz").status_code == 200
+
+        # A later release's functions at the same revision: ready while they still serve this release
+        # (broker.function_release), and this release's migrate leaves them as they are.
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE broker.function_release SET release = '99.0.0', serves_from = :ours"),
+                               {"ours": broker.__version__})
+            connection.execute(text("UPDATE broker.function_files SET sha256 = '\\x00' WHERE file_name = '05_send.sql'"))
+        assert anyone.get("/readyz").json() == {"status": "ready", "schema_revision": migrate.head_revision()}
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE broker.function_release SET serves_from = '99.0.0'"))
+        migrate.upgrade(engine.url.render_as_string(hide_password=False))
+        problem = _is_problem(anyone.get("/readyz"), 503, "not-ready")
+        assert problem["detail"] == ("the database holds the functions of release 99.0.0, which serve releases from "
+                                     f"99.0.0 on; this node is of release {broker.__version__}: upgrade this node")
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE broker.function_release SET release = '0.0.1'"))
         migrate.upgrade(engine.url.render_as_string(hide_password=False))
         assert anyone.get("/readyz").status_code == 200
 

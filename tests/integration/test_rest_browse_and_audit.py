@@ -129,4 +129,4 @@ def test_every_operator_action_is_one_line_in_the_node_log_naming_the_key_never_
         "deleted: 0",
         f"key 'reader' ({reader_key.split('_')[1]}) purge queue 'warehouse_queue': refused, 403 forbidden",
     ]
-    assert not any(admin_key.split("_")[2] in line or reader_key.split("_")[2] in line for line in lines)
+    assert not any(admin_key.split("_", 2)[2] in line or reader_key.split("_", 2)[2] in line for line in lines)

@@ -44,8 +44,8 @@ REFUSED_TO_APPLICATION = [
     ("SELECT * FROM broker.queue_messages", "table queue_messages"),
     ("DELETE FROM broker.queue_messages", "table queue_messages"),
     ("INSERT INTO broker.queue_messages DEFAULT VALUES", "table queue_messages"),
-    ("SELECT * FROM broker.transmission_queue", "table transmission_queue"),
-    ("DELETE FROM broker.transmission_queue", "table transmission_queue"),
+    ("SELECT * FROM broker.transmission_log", "table transmission_log"),
+    ("DELETE FROM broker.transmission_log", "table transmission_log"),
     ("UPDATE broker.endpoints SET state = 'closed'", "table endpoints"),
     ("SELECT * FROM broker.api_keys", "table api_keys"),
     ("DELETE FROM broker.api_keys", "table api_keys"),
@@ -490,7 +490,7 @@ def test_two_nodes_converse_with_admin_and_relay_logins(database_url, second_dat
         with applications["a"].begin() as c:
             broker.end_conversation(c, handle)
         for engine in engines.values():
-            wait_for(lambda: _scalar(engine, "SELECT count(*) FROM broker.transmission_queue") == 0, 30,
+            wait_for(lambda: _scalar(engine, "SELECT count(*) FROM broker.transmission_queue_status") == 0, 30,
                      "the transmission queue to drain")
 
         for node in urls:

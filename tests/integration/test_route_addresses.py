@@ -63,7 +63,7 @@ def test_an_ipv4_address_written_otherwise_than_in_four_decimals_is_refused_what
 
 def test_the_operator_allows_metadata_addresses_for_a_database(engine):
     with engine.connect() as connection:
-        assert connection.execute(queries.METADATA_ADDRESSES_ALLOWED).scalar_one() is False
+        assert connection.execute(queries.QUERIES["metadata_addresses_allowed"]).scalar_one() is False
         connection.execute(text("SELECT set_config('broker.allow_metadata_addresses', 'maybe', false)"))
         with pytest.raises(InvalidArgument, match="must be on or off"):
             broker.create_route(connection, "far", "http://peer.example", uuid4(), SECRET)

@@ -1,6 +1,6 @@
-"""The secret two nodes share, rotated while messages flow both ways, as docs/operations.md says: the new secret
-added on both nodes, then switched to on each, then the old one retired on each; no batch is refused at any step,
-no message waits, and `broker diagnose` says at each step which secret the peer signs with.  Steps out of turn
+"""The secret two nodes share, rotated while messages flow both ways, as docs/how-to/rotate-a-secret.md says: the new
+secret added on both nodes, then switched to on each, then the old one retired on each; no batch is refused at any
+step, no message waits, and `broker diagnose` says at each step which secret the peer signs with.  Steps out of turn
 stall nothing either while the two nodes share a secret."""
 import re
 import time
@@ -15,6 +15,9 @@ from tests.rest import new_key
 from tests.traffic import both_ways
 
 NEW_SECRET = "the-secret-a-and-b-share-from-now-on"
+# The longest a message may wait from its send to its receive while the secret changes: a relay refused once
+# retries within a second, one refused again waits two more and then four; and a loaded machine takes its time.
+LONGEST_WAIT_S = 5
 
 
 def _findings(node, check: str) -> list[dict]:
@@ -75,7 +78,7 @@ def test_a_secret_rotated_while_messages_flow_both_ways_refuses_and_stalls_nothi
         with a.engine.begin() as c:
             assert broker.retire_peer_secret(c, b.instance) == 0  # nothing more to retire
         time.sleep(1)
-    assert all(traffic.longest_wait_s() < 2 for traffic in flowing), "a message stalled"
+    assert all(traffic.longest_wait_s() < LONGEST_WAIT_S for traffic in flowing), "a message stalled"
     assert _refused_batches(a) == _refused_batches(b) == 0
 
 
@@ -109,7 +112,7 @@ def test_the_steps_in_any_order_on_the_two_nodes_stall_nothing_while_the_nodes_s
             broker.switch_peer_secret(c, a.instance)
             assert broker.retire_peer_secret(c, a.instance) == 1
         time.sleep(1.5)
-    assert all(traffic.longest_wait_s() < 2 for traffic in flowing), "a message stalled"
+    assert all(traffic.longest_wait_s() < LONGEST_WAIT_S for traffic in flowing), "a message stalled"
 
 
 def test_nodes_that_share_no_secret_keep_their_messages_until_they_do(nodes):

@@ -44,7 +44,7 @@ def remote(engine, orders):
 def _queued(connection):
     return [tuple(row) for row in connection.execute(text(
         "SELECT conversation_handle, message_sequence_number, convert_from(body, 'UTF8')"
-        " FROM broker.transmission_queue ORDER BY conversation_handle, message_sequence_number"))]
+        " FROM broker.transmission_log ORDER BY conversation_handle, message_sequence_number"))]
 
 
 def test_each_conversation_is_numbered_in_the_order_given(engine, remote):
@@ -111,7 +111,7 @@ def test_invariant_2_concurrent_batches_over_the_same_conversations_number_witho
                              for order in (remote, remote[::-1]) * 2]) == []
     with engine.begin() as c:
         numbers = c.execute(text("SELECT conversation_handle, array_agg(message_sequence_number ORDER BY message_sequence_number)"
-                                 " FROM broker.transmission_queue GROUP BY 1")).all()
+                                 " FROM broker.transmission_log GROUP BY 1")).all()
     assert {handle: list(sequence) for handle, sequence in numbers} == {h: list(range(1, 121)) for h in remote}
 
 
@@ -238,7 +238,7 @@ def test_a_numbered_batch_is_judged_as_numbered_sends_one_after_another(engine, 
             "  JOIN broker.endpoints far ON far.conversation_handle = m.conversation_handle"
             "  JOIN broker.endpoints e ON e.conversation_id = far.conversation_id AND e.is_initiator"
             "  WHERE e.conversation_handle = :h"
-            " UNION ALL SELECT message_sequence_number, message_type_id, body FROM broker.transmission_queue"
+            " UNION ALL SELECT message_sequence_number, message_type_id, body FROM broker.transmission_log"
             "  WHERE conversation_handle = :h) s"), {"h": h}).scalar_one() for pair in twins for h in pair}
     assert all(stored[a] == stored[b] and stored[a] for a, b in twins)
     assert sum(sent) > 20

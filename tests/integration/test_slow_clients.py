@@ -11,7 +11,7 @@ from tests.nodes import Node
 from tests.rest import new_key
 
 
-# The head's deadline by default, as docs/operations.md ("Slow clients") states it.
+# The head's deadline by default, as docs/how-to/run-as-a-service.md ("Slow clients") states it.
 HEAD_DEADLINE_S = 10
 
 

@@ -20,6 +20,7 @@ import broker
 from broker.spark_ingest.errors import IngestError
 from broker.spark_ingest.jdbc import spark_session
 from broker.spark_ingest.job import OUTPUT_COLUMNS, ingest
+from tests.nodes import wait_for
 from tests.factories import WAREHOUSE_QUEUE, begin
 
 pytestmark = pytest.mark.slow
@@ -166,11 +167,7 @@ def _start(command: list[str], database_url: str, log: Path) -> subprocess.Popen
 
 
 def _wait_until(process: subprocess.Popen, reached, what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not reached():
-        assert process.poll() is None, f"the run ended before {what}"
-        assert time.monotonic() < deadline, f"the run never reached {what}"
-        time.sleep(0.02)
+    wait_for(reached, timeout_s, what, interval_s=0.02, ended=lambda: process.poll() is not None and "the run ended")
 
 
 def _kill_when(process: subprocess.Popen, reached, what: str) -> None:
@@ -210,6 +207,7 @@ def _blocked_at_the_checkpoint(engine) -> bool:
             " AND query LIKE '%advance_ingest_checkpoint%'")).scalar_one() > 0
 
 
+@pytest.mark.timeout(600)  # several Spark runs, each a JVM of its own: a loaded machine takes minutes
 def test_runs_killed_at_any_instant_leave_every_message_exactly_once(spark, engine, orders, tmp_path):
     url, lake, log = engine.url.render_as_string(hide_password=False), tmp_path / "lake", tmp_path / "runs.log"
     module = [sys.executable, "-m", "broker.spark_ingest", "--output", str(lake), "--queue", WAREHOUSE_QUEUE]

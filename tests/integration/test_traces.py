@@ -149,7 +149,7 @@ def test_a_malformed_traceparent_is_refused_and_nothing_is_sent(nodes):
             assert answer.status_code == 400, answer.text
             assert answer.json()["type"] == "/problems/invalid-argument"
             assert "not a W3C traceparent" in answer.json()["detail"]
-    assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0
+    assert a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0
     assert a.scalar("SELECT send_sequence FROM broker.endpoints WHERE conversation_handle = :h", h=handle) == 0
 
 

@@ -13,6 +13,7 @@ from sqlalchemy import text
 
 import broker
 from broker.transport import signing, wire
+from tests.chaos_proxy import ChaosProxy
 from tests.nodes import CONTRACTS, MESSAGE_TYPES, SECRET, two_nodes, wait_for
 
 
@@ -72,7 +73,7 @@ def test_conversations_cross_in_both_directions_and_end_on_both_sides(nodes):
         for messages in at_a.values():
             broker.end_conversation(c, messages[0].conversation_handle)
     for node in (a, b):
-        wait_for(lambda: node.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30,
+        wait_for(lambda: node.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 30,
                  f"{node.name}'s transmission queue to drain")
         assert node.scalar("SELECT count(*) FROM broker.conversation_endpoints WHERE state <> 'closed'") == 0
 
@@ -97,7 +98,7 @@ def test_a_refused_contract_ends_the_conversation_with_broker_error_at_the_sende
     [error] = a.receive_all("shop_queue", 1)
     assert error.message_type == "broker.error"
     assert error.json()["code"] == -3 and "does not accept contract" in error.json()["description"]
-    assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0
+    assert a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0
     assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
 
 
@@ -117,7 +118,7 @@ def test_a_peer_down_for_a_while_gets_everything_in_order_when_it_returns(nodes)
     at_b = _by_conversation(b.receive_all("warehouse_queue", 300, timeout_s=60))
     for messages in at_b.values():
         assert [(m.message_sequence_number, m.body) for m in messages] == [(i, str(i).encode()) for i in range(1, 11)]
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the queue to drain")
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 30, "the queue to drain")
     assert a.scalar("SELECT count(*) FROM broker.transmission_failures") == 0  # answered: the failures are gone
 
 
@@ -138,7 +139,7 @@ def test_a_lifetime_that_ends_while_the_peer_is_down_gives_broker_error_on_both_
     # or a's error if it arrives first (a dropped "second" at the expiry and numbered its error 3).
     assert [m.message_type for m in at_b] == ["order.note", "broker.error"]
     assert "lifetime expired" in at_b[1].json()["description"]
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the queue to drain")
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 30, "the queue to drain")
 
 
 # Hostile input posted straight to the transport endpoint.
@@ -230,8 +231,8 @@ def test_one_bad_conversation_does_not_spoil_the_batch(nodes):
     (lambda body: {signing.TIMESTAMP_HEADER: str(int(time.time()) - 3600)}, "away from this node's clock"),
     (lambda body: {signing.SIGNATURE_HEADER: ""}, "not signed"),
 ], ids=["wrong signature", "stale timestamp", "unsigned"])
-def test_requests_not_signed_by_a_known_peer_are_refused(nodes, tamper, reason):
-    a, b = nodes
+def test_requests_not_signed_by_a_known_peer_are_refused(shared_nodes, tamper, reason):
+    a, b = shared_nodes
     body = _encode(b, _batch(uuid.uuid4(), [1]))
     response = _post(b, a, body, headers=tamper(body))
     assert response.status_code == 401
@@ -240,8 +241,8 @@ def test_requests_not_signed_by_a_known_peer_are_refused(nodes, tamper, reason):
     assert _stored(b) == []
 
 
-def test_a_body_truncated_after_signing_is_refused(nodes):
-    a, b = nodes
+def test_a_body_truncated_after_signing_is_refused(shared_nodes):
+    a, b = shared_nodes
     body = _encode(b, _batch(uuid.uuid4(), [1, 2, 3]))
     response = httpx.post(f"{b.address}/transport/v1/batches", content=body[:-10],
                           headers=_signed(SECRET, a.instance, b, body))
@@ -249,8 +250,8 @@ def test_a_body_truncated_after_signing_is_refused(nodes):
     assert _stored(b) == []
 
 
-def test_a_request_from_an_unknown_instance_or_with_the_wrong_secret_is_refused(nodes):
-    a, b = nodes
+def test_a_request_from_an_unknown_instance_or_with_the_wrong_secret_is_refused(shared_nodes):
+    a, b = shared_nodes
     body = _encode(b, _batch(uuid.uuid4(), [1]))
     assert _post(b, a, body, secret="some-other-secret-value").status_code == 401
     stranger = httpx.post(f"{b.address}/transport/v1/batches", content=body,
@@ -282,16 +283,16 @@ def test_a_peer_whose_route_is_dropped_is_refused_at_once(nodes):
     lambda b: _encode(b, [(str(uuid.uuid4()), True, "shop", "warehouse", "orders", None, None, None, "order.note",
                            b"1")]),
 ], ids=["not COPY", "empty", "truncated", "other columns", "no sequence number"])
-def test_malformed_batches_get_a_problem_and_store_nothing(nodes, malformed):
-    a, b = nodes
+def test_malformed_batches_get_a_problem_and_store_nothing(shared_nodes, malformed):
+    a, b = shared_nodes
     response = _post(b, a, malformed(b))
     assert response.status_code == 400
     assert response.json()["type"] == "/problems/malformed-batch"
     assert _stored(b) == []
 
 
-def test_a_huge_body_from_a_peer_gets_413(nodes):
-    a, b = nodes
+def test_a_huge_body_from_a_peer_gets_413(shared_nodes):
+    a, b = shared_nodes
     response = _post(b, a, b"x" * (65 * 1024 * 1024))
     assert response.status_code == 413
     assert response.json()["type"] == "/problems/too-large"
@@ -408,14 +409,14 @@ def test_messages_that_waited_longer_than_the_peer_remembers_are_withheld_not_se
         handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
         broker.send(c, handle, "order.note", "delivered")
     b.receive_all("warehouse_queue", 1)
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the acknowledgement")
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 30, "the acknowledgement")
     assert a.scalar("SELECT tombstone_retention FROM broker.peer_retention WHERE broker_instance = :b",
                     b=b.instance) == timedelta(days=90)
     b.stop()
     with a.engine.begin() as c:
         for body in ("held back", "and this"):
             broker.send(c, handle, "order.note", body)
-        c.execute(text("UPDATE broker.transmission_queue SET enqueued_at = now() - interval '90 days'"))
+        c.execute(text("UPDATE broker.transmission_log SET enqueued_at = now() - interval '90 days'"))
     with a.engine.begin() as c:
         assert c.execute(text("SELECT broker.withhold_what_peers_forgot()")).scalar_one() == 1
     assert a.scalar("SELECT string_agg(message_type, ',') FROM broker.transmission_queue_status") == "broker.error"
@@ -452,15 +453,58 @@ def test_a_peer_never_heard_from_is_taken_to_forget_after_the_shortest_retention
         broker.send(c, handle, "order.note", "sent when the peer was new")
     withhold = text("SELECT broker.withhold_what_peers_forgot()")
     with engine.begin() as c:
-        c.execute(text("UPDATE broker.transmission_queue SET enqueued_at = now() - interval '22 hours 50 minutes'"))
+        c.execute(text("UPDATE broker.transmission_log SET enqueued_at = now() - interval '22 hours 50 minutes'"))
         assert c.execute(withhold).scalar_one() == 0
-        c.execute(text("UPDATE broker.transmission_queue SET enqueued_at = now() - interval '23 hours 10 minutes'"))
+        c.execute(text("UPDATE broker.transmission_log SET enqueued_at = now() - interval '23 hours 10 minutes'"))
         assert c.execute(withhold).scalar_one() == 1
         [notice] = broker.receive(c, "shop_queue", 10)
     assert notice.message_type == "broker.error" and notice.json()["code"] == -5
     assert "tombstone_retention, 1 day" in notice.json()["description"]
     with engine.connect() as c:
         assert c.execute(text("SELECT count(*) FROM broker.dead_letters")).scalar_one() == 1
+
+
+def test_a_peer_whose_answers_were_all_lost_gets_no_duplicates_after_it_forgot(nodes):
+    """Every answer of a new peer is lost on the way back: b took the messages, its application replied and ended,
+    b forgot the conversations; b is down, two days pass, b is back.  a never heard b's retention, so it takes b to
+    keep the least a node keeps (a day): it withholds what waited longer, and b's application gets nothing twice."""
+    a, b = nodes
+    answers_lost = ChaosProxy(b.port, 0, cut_request=0, drop_response=1, delay=0)
+    with a.engine.begin() as c:
+        broker.drop_route(c, "warehouse")
+        broker.create_route(c, "warehouse", answers_lost.address, b.instance, SECRET)
+    with b.engine.begin() as c:
+        c.execute(text("UPDATE broker.node SET tombstone_retention = '1 day', closed_endpoint_retention = '0'"))
+    with a.engine.begin() as c:
+        handles = [broker.begin_dialog(c, "shop", "warehouse", "orders") for _ in range(4)]
+        for handle in handles:
+            for n in range(5):
+                broker.send(c, handle, "order.note", f"note {n}")
+    arrived = b.receive_all("warehouse_queue", 20)
+    with b.engine.begin() as c:
+        for conversation in {m.conversation_handle for m in arrived}:
+            broker.send(c, conversation, "order.note", "thanks")
+            broker.end_conversation(c, conversation)
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.queue_messages") == 8, 30, "b's replies and ends at a")
+    b.stop()
+    with b.engine.begin() as c:  # two days on, b has forgotten the conversations
+        c.execute(text("UPDATE broker.forgotten_conversations SET forgotten_at = now() - interval '2 days'"))
+        c.execute(text("SELECT broker.forget_closed_endpoints()"))
+        assert c.execute(text("SELECT count(*) FROM broker.forgotten_conversations")).scalar_one() == 0
+    assert a.scalar("SELECT count(*) FROM broker.peer_retention") == 0
+    assert a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 20  # not one answer came back
+    with a.engine.begin() as c:
+        c.execute(text("UPDATE broker.transmission_log SET enqueued_at = now() - interval '2 days'"))
+        assert c.execute(text("SELECT broker.withhold_what_peers_forgot()")).scalar_one() == 4
+    answers_lost.enabled = False
+    b.start()
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 60,
+             "b to acknowledge the errors")
+    with b.engine.begin() as c:
+        again = broker.receive(c, "warehouse_queue", 100, wait_ms=1000)
+    assert [m for m in again if m.message_type == "order.note"] == []
+    assert b.scalar("SELECT count(*) FROM broker.endpoints WHERE state = 'conversing'") == 0
+    assert a.scalar("SELECT count(*) FROM broker.dead_letters WHERE queue_position = 0") == 20
 
 
 def test_a_probe_of_an_old_acknowledged_message_is_asked_now_and_never_withheld(nodes):
@@ -474,18 +518,19 @@ def test_a_probe_of_an_old_acknowledged_message_is_asked_now_and_never_withheld(
         handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
         broker.send(c, handle, "order.note", "acknowledged a day ago")
     b.receive_all("warehouse_queue", 1)
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the acknowledgement")
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 30, "the acknowledgement")
     b.stop()
     with a.engine.begin() as c:
-        c.execute(text("UPDATE broker.acknowledged_messages SET enqueued_at = now() - interval '23 hours 30 minutes'"))
+        c.execute(text("UPDATE broker.transmission_log SET enqueued_at = now() - interval '23 hours 30 minutes'"))
         conversation = c.execute(text("SELECT conversation_id FROM broker.endpoints WHERE conversation_handle = :h"),
                                  {"h": handle}).scalar_one()
         assert c.execute(text("SELECT broker.probe_conversation(:c, true)"), {"c": conversation}).scalar_one() == 1
         assert c.execute(text("SELECT broker.withhold_what_peers_forgot()")).scalar_one() == 0
     assert a.scalar("SELECT state FROM broker.endpoints WHERE conversation_handle = :h", h=handle) == "conversing"
     b.start()
-    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the duplicate's acknowledgement")
-    assert a.scalar("SELECT count(*) FROM broker.acknowledged_messages") == 1
+    wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_retries") == 0, 30,
+             "the duplicate's acknowledgement")
+    assert a.scalar("SELECT count(*) FROM broker.transmission_log") == 1
     assert a.scalar("SELECT count(*) FROM broker.lost_messages") == 0
     with b.engine.begin() as c:
         assert broker.receive(c, "warehouse_queue", 10) == []

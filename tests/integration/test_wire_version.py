@@ -45,8 +45,8 @@ def other_version_node(instance) -> ScriptedPeer:
     (f"{wire.BATCH_TYPE}; version=1", "(wire version 1)"),
     (f"{wire.BATCH_TYPE}; version=2", "(wire version 2)"),
 ], ids=["none", "JSON", "unversioned", "version 5", "version 1", "version 2"])
-def test_a_batch_in_another_wire_version_is_refused_before_its_body_is_read(nodes, content_type, sent):
-    a, b = nodes
+def test_a_batch_in_another_wire_version_is_refused_before_its_body_is_read(shared_nodes, content_type, sent):
+    a, b = shared_nodes
     peer = {signing.INSTANCE_HEADER: str(a.instance), signing.TIMESTAMP_HEADER: str(int(time.time())),
             signing.SIGNATURE_HEADER: "0" * 64}
     started = time.monotonic()
@@ -95,7 +95,7 @@ def test_a_relay_facing_another_wire_version_keeps_its_messages_and_diagnose_say
                  "the relay to try again after its backoff")
         assert [r.method for r in far.requests[:2]] == ["GET", "POST"]  # its /healthz, then a batch
         assert far.requests[1].headers["Content-Type"] == wire.BATCH_MEDIA_TYPE
-        assert a.scalar("SELECT count(*) FROM broker.transmission_queue") == 3
+        assert a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 3
         status = a.scalar("SELECT min(transmission_status) FROM broker.transmission_queue_status")
         assert f"{far.address} speaks another wire version (HTTP 415)" in status
         assert f"it takes wire version {OTHER_VERSION}, this node sends wire versions 3 and 4" in status
@@ -175,7 +175,7 @@ def test_a_relay_refused_for_its_wire_version_sends_the_version_the_refusal_name
         assert b.scalar("SELECT count(received_message_id) FROM broker.endpoints") == 0  # version 3 has no ids
         versions = [wire.version_of(r.headers["Content-Type"]) for r in older.requests if r.method == "POST"]
         assert versions[:2] == ["4", "3"] and set(versions[1:]) == {"3"}  # refused once, then version 3 at once
-        wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue") == 0, 30, "the acknowledgements")
+        wait_for(lambda: a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 0, 30, "the acknowledgements")
 
 
 def test_the_highest_number_of_each_conversation_side_is_read_from_a_batch_of_either_version(engine):
