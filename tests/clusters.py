@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psycopg2
 
+from broker.cli.embedded import ensure_system_user
 from broker.cli.processes import free_port
 from tests.nodes import wait_for
 
@@ -58,6 +59,8 @@ class Cluster:
         self._restore_points: dict[str, int] = {}  # name: the timeline it was made on
         self.directory.mkdir(parents=True, exist_ok=True)
         # The embedded server's helper: the binaries, and the user that runs them ("pgserver" as root, else None).
+        if os.geteuid() == 0:
+            ensure_system_user()
         self._pg = PostgresServer(self.data, cleanup_mode=None)
         self.bin_dir: Path = self._pg.bin_path
         if self._pg.system_user is not None:

