@@ -18,7 +18,6 @@ import logging
 import os
 import secrets
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -182,7 +181,8 @@ class EmbeddedPostgres:
 def ensure_system_user() -> None:
     """Makes the user "pgserver" that runs the server as root, one process at a time: two useradds at once (test
     processes starting their servers side by side on a new machine) can each write /etc/passwd, and the loser's
-    server folder is then owned by a user that no longer exists."""
-    with open(Path(tempfile.gettempdir()) / "broker-embedded-user.lock", "w") as lock:
+    server folder is then owned by a user that no longer exists.  The lock is taken on /etc/passwd itself, which
+    every such process can open, so that nothing is left behind."""
+    with open("/etc/passwd") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         ensure_user_exists("pgserver")
