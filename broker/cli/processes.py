@@ -1,6 +1,7 @@
 """Processes of a node started by the demo and the benchmark: `broker` commands on a database,
 listening on a free port of 127.0.0.1."""
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -11,18 +12,27 @@ import httpx
 
 # The ports free_port has handed out.
 _HANDED_OUT: set[int] = set()
+# Where free_port draws from: up to the system's ephemeral ports (Linux says where they begin).
+PORTS_FROM = 10_000
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port() -> int:
-    """A port of 127.0.0.1 that nothing listens on, and that this process has not handed out before: the
-    system may give a port it just freed again, before the process it was meant for has bound it."""
+    """A port of 127.0.0.1 that nothing listens on, and that this process has not handed out before.  It is drawn at
+    random below the system's ephemeral ports: one of those (what binding port 0 gives) may be taken by any outgoing
+    connection on the machine before the process it was meant for has bound it."""
+    first_ephemeral = int(EPHEMERAL_PORTS.read_text().split()[0]) if EPHEMERAL_PORTS.exists() else 32_768
     while True:
+        port = random.randrange(PORTS_FROM, max(first_ephemeral, PORTS_FROM + 1_000))
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 def start_broker(database_url: str, log: Path, *command: str, settings: dict[str, str] | None = None
