@@ -45,12 +45,6 @@ log = logging.getLogger(__name__)
 
 LANES = 2
 IDLE_WAKE_S = 1.0
-# Batches that fill: a batch of at least LINGER_FROM_MESSAGES that came out less than full means messages keep
-# arriving faster than a batch travels, so the lane waits LINGER_S before its next cycle for the next batch to fill
-# rather than send it half empty (each batch costs about as much CPU again as a few hundred messages).  A quiet
-# link, whose batches are smaller, is never held back.
-LINGER_FROM_MESSAGES = 100
-LINGER_S = 0.05
 # Routes change seldom: a lane looks at them again after this long, not in every cycle.
 DESTINATIONS_REFRESH_S = 1.0
 # Closes and acknowledgements forget old closed endpoints as they happen; on a
@@ -266,16 +260,13 @@ class Lane:
             connection.commit()
             self.destinations_at = time.monotonic() + DESTINATIONS_REFRESH_S
         idle_s = IDLE_WAKE_S
-        streaming = False
         for destination in self.destinations:
             wait_s = self.retry_at.get(destination.address, 0.0) - time.monotonic()
             if wait_s > 0:
                 idle_s = min(idle_s, wait_s)
             elif self._holds_lock(destination.address):
                 self._probe(destination.address)
-                streaming |= self._relay_to(destination)
-        if streaming:
-            time.sleep(LINGER_S)  # let the next batches fill; every destination is served in each cycle
+                self._relay_to(destination)
         return idle_s
 
     def _probe(self, address: str) -> None:
@@ -315,17 +306,16 @@ class Lane:
             self.connection.commit()
         return address in self.locked
 
-    def _relay_to(self, destination) -> bool:
+    def _relay_to(self, destination) -> None:
         """Sends batches until one comes out less than full: the lane's due messages for the destination
-        are sent (a message committed since wakes the lane by its notification).  Returns whether messages keep
-        arriving faster than batches travel (see LINGER_S)."""
+        are sent (a message committed since wakes the lane by its notification)."""
         address = destination.address
         while True:
             max_bytes = self.learned_batch_bytes.get(address, self.relay.batch_bytes)
             version = self.relay.wire_version(self.client, address)
             batch, messages = self._next_batch(address, max_bytes, version)
             if not messages:
-                return False
+                return
             started = time.monotonic()
             RELAY_SENT.labels(address).inc(messages)
             try:
@@ -337,7 +327,7 @@ class Lane:
                 if self.relay.refused_version(address, version, refusal.versions):
                     continue
                 self._record_failure(address, str(refusal))
-                return False
+                return
             except BatchTooLarge as refusal:
                 RELAY_FAILURES.labels(address).inc()
                 self._refused_as_too_large(address, refusal, batch, messages)
@@ -345,14 +335,13 @@ class Lane:
             except TransportFailure as failure:
                 RELAY_FAILURES.labels(address).inc()
                 self._record_failure(address, str(failure))
-                return False
+                return
             self.failures_in_a_row.pop(address, None)
             self.retry_at.pop(address, None)
             RELAY_BATCH_SECONDS.labels(address).observe(time.monotonic() - started)
             RELAY_ACKNOWLEDGED.labels(address).inc(delivered)
             if delivered == 0 or (messages < self.relay.batch_messages and len(batch) < max_bytes // 2):
-                # All sent, or nothing new taken: wait for the next wake rather than spin.
-                return delivered >= LINGER_FROM_MESSAGES
+                return  # all sent, or nothing new taken: wait for the next wake rather than spin
 
     def _post(self, destination, batch: bytes, version: int) -> str:
         """Posts the batch under each secret held for the destination in turn, until one is not refused (401): so
