@@ -108,23 +108,26 @@ def _soak(results: list[ScenarioResult], path: Path) -> Path | None:
     measured = [result for result in results if result.series.get("soak")]
     if not measured:
         return None
-    figure = Figure(figsize=(9, 8), layout="constrained")
-    rate, dead, memory = figure.subplots(3, 1, sharex=True)
+    figure = Figure(figsize=(9, 10), layout="constrained")
+    rate, dead, log, memory = figure.subplots(4, 1, sharex=True)
     for result in measured:
         samples = result.series["soak"]
         seconds = [sample["t_s"] for sample in samples]
         rate.plot(seconds, [sample["msgs_per_s"] for sample in samples], label=result.scenario)
         dead.plot(seconds, [sample["dead_tuples"] for sample in samples], color="tab:red")
+        log.plot(seconds, [sample["log_rows"] for sample in samples], color="tab:green")
         memory.plot(seconds, [sample["relay_rss_mb"] for sample in samples], label="relay")
         memory.plot(seconds, [sample["api_rss_mb"] for sample in samples], label="API")
         held = [sample["t_s"] for sample in samples if sample.get("holding")]
-        for axes in (rate, dead, memory) if held else ():
+        for axes in (rate, dead, log, memory) if held else ():
             axes.axvspan(min(held), max(held), color="tab:orange", alpha=0.15)
     rate.set_ylabel("delivered (msgs/s)")
     rate.set_ylim(bottom=0)
     rate.legend(fontsize=8)
     rate.set_title("Soak (shaded: a transaction held open)")
     dead.set_ylabel("dead tuples")
+    log.set_ylabel("rows in A's log")
+    log.yaxis.set_major_formatter(StrMethodFormatter(THOUSANDS))
     memory.set_ylabel("resident memory (MB)")
     memory.set_xlabel("seconds")
     memory.legend(fontsize=8)

@@ -76,7 +76,8 @@ def _scenarios(server: BenchServer, output: Path, sizes: Sizes, repetitions: int
 
 
 def run_bench(output: Path, *, quick: bool, repetitions: int, soak_minutes: float | None, server_url: str | None,
-              report: Callable[[str], None], pgmq_sql: Path | None = None) -> list[ScenarioResult]:
+              report: Callable[[str], None], pgmq_sql: Path | None = None, soak_rate: int = 1_000,
+              soak_window_s: int | None = None, soak_hold: bool = True) -> list[ScenarioResult]:
     output.mkdir(parents=True, exist_ok=True)
     with bench_server(server_url) as server:
         environment = _environment(server.server_url)
@@ -84,7 +85,7 @@ def run_bench(output: Path, *, quick: bool, repetitions: int, soak_minutes: floa
             raise RuntimeError(f"the benchmark needs durable settings, the server has {environment}")
         if soak_minutes:
             with TwoNodes(server, output / "nodes.log") as nodes:
-                results = [soak.run(nodes, soak_minutes, 1_000, report)]
+                results = [soak.run(nodes, soak_minutes, soak_rate, soak_window_s, soak_hold, report)]
         else:
             results = _scenarios(server, output, QUICK if quick else FULL, repetitions, pgmq_sql, report)
     write_results(results, output, environment)

@@ -1,5 +1,7 @@
-"""Steadiness: cross-node traffic at a steady rate for minutes, a reader consuming on B, and a
-transaction held open through the middle third (the classic cause of queue-table bloat)."""
+"""Steadiness: cross-node traffic at a steady rate for minutes, a reader consuming on B, and (unless told
+not to) a transaction held open through the middle third: the classic cause of queue-table bloat.  Both
+nodes' databases share one server, so the transaction holds back the vacuum of A's tables as well: its
+xid is in every snapshot taken on that server."""
 import statistics
 import threading
 import time
@@ -15,6 +17,11 @@ from bench.results import Measurement, ScenarioResult
 DEAD_TUPLES = ("SELECT coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables"
                " WHERE schemaname = 'broker' AND relname IN ('queue_messages', 'transmission_log')")
 RECEIVE = "SELECT count(*) FROM broker.receive('bench_dst', 100)"
+# What the sending node's log retains (the resend window and what waits), from the statistics: a count(*)
+# over millions of rows every few seconds would weigh on what it measures.
+RETAINED_LOG = ("SELECT n_live_tup, pg_total_relation_size(relid) FROM pg_stat_user_tables"
+                " WHERE schemaname = 'broker' AND relname = 'transmission_log'")
+SET_RESEND_WINDOW = "UPDATE broker.node SET resend_window = make_interval(secs => %(seconds)s)"
 # A sample every 5 s, or twelve over a shorter run.
 SAMPLE_EVERY_S = 5.0
 SAMPLES_AT_LEAST = 12
@@ -36,7 +43,10 @@ def _consume(url: str, stop: threading.Event) -> None:
     connection.close()
 
 
-def run(nodes: TwoNodes, minutes: float, rate: int, report: Callable[[str], None]) -> ScenarioResult:
+def run(nodes: TwoNodes, minutes: float, rate: int, window_s: int | None, hold: bool,
+        report: Callable[[str], None]) -> ScenarioResult:
+    if window_s is not None:
+        run_sql(nodes.a_url, SET_RESEND_WINDOW, {"seconds": window_s})
     payloads = workload.bodies()
     handles = workload.begin_conversations(nodes.a, 1_000)
     stop = threading.Event()
@@ -50,7 +60,7 @@ def run(nodes: TwoNodes, minutes: float, rate: int, report: Callable[[str], None
     samples, sent, next_sample, holding = [], 0, started + sample_every_s, False
     try:
         while (now := time.monotonic()) - started < duration_s:
-            if not holding and now - started >= duration_s / 3 and now - started < 2 * duration_s / 3:
+            if hold and not holding and now - started >= duration_s / 3 and now - started < 2 * duration_s / 3:
                 held.cursor().execute("SELECT txid_current(), count(*) FROM broker.queue_messages")
                 holding = True
             elif holding and now - started >= 2 * duration_s / 3:
@@ -66,12 +76,15 @@ def run(nodes: TwoNodes, minutes: float, rate: int, report: Callable[[str], None
             if now >= next_sample:
                 delivered = sent - nodes.waiting()  # acknowledged by B
                 rss = nodes.rss_mb()
+                [(log_rows, log_bytes)] = run_sql(nodes.a_url, RETAINED_LOG)
                 samples.append({"t_s": round(now - started, 1), "delivered": delivered, "holding": holding,
+                                "log_rows": log_rows, "log_mb": round(log_bytes / 2**20, 1),
                                 "dead_tuples": _dead_tuples(nodes.a_url, nodes.b_url),
                                 "relay_rss_mb": round(rss["relay"], 1), "api_rss_mb": round(rss["api"], 1)})
                 next_sample += sample_every_s
                 report(f"soak: {samples[-1]['t_s']:.0f} s, {delivered:,} delivered, "
                        f"{samples[-1]['dead_tuples']:,} dead tuples{' (transaction held open)' if holding else ''}, "
+                       f"A's log {log_rows:,} rows ({samples[-1]['log_mb']:,.0f} MB), "
                        f"relay {rss['relay']:.0f} MB, API {rss['api']:.0f} MB")
     finally:
         held.close()
@@ -95,8 +108,10 @@ def run(nodes: TwoNodes, minutes: float, rate: int, report: Callable[[str], None
         f"soak, {minutes:g} min at {rate:,} msgs/s offered", Measurement("delivered, end of run", "msgs/s", [end_rate]),
         Measurement("delivered, start of run", "msgs/s", [start_rate]),
         target="throughput within 20% of its start, memory growth < 10%, dead tuples bounded", met=met,
-        details={"rss_growth": growth, "peak_dead_tuples": peak_dead, "dead_tuples_before_the_hold": before_hold,
+        details={"rss_growth": growth, "resend_window_s": window_s, "log_rows_at_end": curve[-1]["log_rows"],
+                 "log_rows_peak": max(s["log_rows"] for s in curve), "peak_dead_tuples": peak_dead,
+                 "dead_tuples_before_the_hold": before_hold,
                  "dead_tuples_at_end": curve[-1]["dead_tuples"], "dead_tuples_bounded": bounded,
-                 "long_transaction": "held open on B through the middle third"},
+                 "long_transaction": "held open on B through the middle third" if hold else "none"},
         series={"soak": curve})
 

@@ -660,6 +660,12 @@ def bench(
     soak: float = typer.Option(None, min=0.25, max=24 * 60, metavar="MINUTES",
                                help="instead: steady cross-node traffic for MINUTES with a long transaction held "
                                     "open through the middle third; throughput, dead tuples and memory over time"),
+    soak_rate: int = typer.Option(1_000, min=1, max=1_000_000, metavar="MSGS_PER_S",
+                                  help="with --soak: the messages a second offered"),
+    soak_window: int = typer.Option(None, min=0, metavar="SECONDS",
+                                    help="with --soak: the sending node's resend window (default: the node's, "
+                                         "24 hours); the log it retains is sampled with the rest"),
+    soak_hold: bool = typer.Option(True, help="with --soak: hold a transaction open through the middle third"),
     pgmq_sql: Path = typer.Option(None, "--pgmq-sql", envvar="BROKER_BENCH_PGMQ_SQL", exists=True, dir_okay=False,
                                   metavar="FILE",
                                   help="pgmq's extension script (pgmq.sql): measures pgmq beside the local send "
@@ -677,7 +683,8 @@ def bench(
     from bench.results import markdown_table
     from bench.runner import run_bench
 
-    results = run_bench(output, quick=quick, repetitions=repetitions, soak_minutes=soak,
+    results = run_bench(output, quick=quick, repetitions=repetitions, soak_minutes=soak, soak_rate=soak_rate,
+                        soak_window_s=soak_window, soak_hold=soak_hold,
                         server_url=Settings().database_url,
                         report=lambda line: console.print(line, style="dim", highlight=False), pgmq_sql=pgmq_sql)
     print(markdown_table(results))

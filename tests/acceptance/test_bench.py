@@ -71,8 +71,8 @@ def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(tmp_
 
 
 @pytest.mark.slow
-def test_soak_reports_throughput_dead_tuples_and_memory_over_time(tmp_path):
-    result = _bench(tmp_path, "--soak", "0.25")
+def test_soak_reports_throughput_dead_tuples_memory_and_the_retained_log_over_time(tmp_path):
+    result = _bench(tmp_path, "--soak", "0.25", "--soak-rate", "500", "--soak-window", "5")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (soak,) = json.loads((tmp_path / "results" / "results.json").read_text())["scenarios"]
     samples = soak["series"]["soak"]
@@ -80,4 +80,6 @@ def test_soak_reports_throughput_dead_tuples_and_memory_over_time(tmp_path):
     assert any(sample["holding"] for sample in samples) and not samples[-1]["holding"]
     assert all(sample["relay_rss_mb"] > 0 and sample["api_rss_mb"] > 0 for sample in samples)
     assert samples[-1]["delivered"] > samples[0]["delivered"]
+    assert all(sample["log_rows"] >= 0 and sample["log_mb"] > 0 for sample in samples)
+    assert soak["details"]["resend_window_s"] == 5 and soak["details"]["log_rows_peak"] > 0
     assert (tmp_path / "results" / "soak.png").read_bytes().startswith(b"\x89PNG")
