@@ -15,7 +15,7 @@ from bench import cpu, workload
 from bench.databases import WalMeter
 from bench.nodes import TwoNodes
 from bench.otlp_sink import OtlpSink
-from bench.results import Measurement, ScenarioResult
+from bench.results import Measurement, ScenarioResult, ratio_met
 
 BARE_OUTBOX = ("CREATE TABLE IF NOT EXISTS bench_outbox (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL,"
                " seq bigint NOT NULL, body bytea NOT NULL)")
@@ -27,7 +27,7 @@ BARE_DELETE = "DELETE FROM bench_outbox WHERE id <= %s"
 SET_RESEND_WINDOW = "UPDATE broker.node SET resend_window = %s"
 RECEIVE_TIMED = "SELECT body, extract(epoch FROM enqueued_at) FROM broker.receive('bench_dst', 100)"
 # The scale target: the slowest point of the curve within this factor of the fastest.
-SCALE_FLAT_WITHIN = 1.3
+SCALE_FLAT_WITHIN = 1.5
 # This machine class commits about 2,500 single-row transactions a second to its disk: the
 # latency load comes in transactions of 10 (100 commits a second) so that commits do not queue.
 LATENCY_BATCH = 10
@@ -153,8 +153,8 @@ def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: in
                            "nodes", "msgs/s", ours)
     baseline = Measurement("bare relay: INSERT / SELECT, COPY, DELETE", "msgs/s", bare)
     return ScenarioResult("cross-node transfer", measured, baseline,
-                          target="CPU ≤ 50 µs a message over both nodes (and ≥ 1.0 × RabbitMQ: its row)",
-                          met=cpu_us["all"] <= 50,
+                          target="≥ 0.75 × baseline (and ≥ 1.0 × RabbitMQ: its row)",
+                          met=ratio_met(measured, baseline, 0.75),
                           details={"conversations": conversations, "messages": messages,
                                    "per_transaction": workload.PER_TRANSACTION,
                                    "conversations_opened_per_s": opened_per_s,
@@ -212,8 +212,8 @@ def resend_window(nodes: TwoNodes, conversations: int, messages: int, repetition
                f"{without[-1]:,.0f} msgs/s, keeping 24 hours {kept[-1]:,.0f} msgs/s")
     measured = Measurement("keeping acknowledged messages for 24 hours", "msgs/s", kept)
     baseline = Measurement("resend window 0, same nodes, alternated", "msgs/s", without)
-    return ScenarioResult("cross-node transfer, resend window", measured, baseline, target="≥ 0.95 × without",
-                          met=measured.median / baseline.median >= 0.95,
+    return ScenarioResult("cross-node transfer, resend window", measured, baseline, target="≥ 0.97 × without",
+                          met=ratio_met(measured, baseline, 0.97),
                           details={"conversations": conversations, "messages": messages})
 
 

@@ -34,9 +34,9 @@ class Sizes:
 FULL = Sizes(send=50_000, receive=20_000, transfer=50_000, latency_s=15, rest_per_client=500, rabbitmq=50_000,
              spark=200_000, scale_points=(1, 100, 10_000, 100_000), scale_messages=50_000, backlog=1_000_000,
              activation=20_000)
-QUICK = Sizes(send=5_000, receive=3_000, transfer=5_000, latency_s=3, rest_per_client=50, rabbitmq=5_000,
-              spark=20_000, scale_points=(1, 100, 1_000, 5_000), scale_messages=5_000, backlog=10_000,
-              activation=3_000)
+QUICK = Sizes(send=2_000, receive=1_000, transfer=2_000, latency_s=2, rest_per_client=20, rabbitmq=2_000,
+              spark=20_000, scale_points=(1, 100, 500, 2_000), scale_messages=2_000, backlog=4_000,
+              activation=1_000)
 
 
 def _environment(database_url: str) -> dict:
