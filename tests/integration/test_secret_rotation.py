@@ -15,9 +15,11 @@ from tests.rest import new_key
 from tests.traffic import both_ways
 
 NEW_SECRET = "the-secret-a-and-b-share-from-now-on"
-# The longest a message may wait from its send to its receive while the secret changes: a relay refused once
-# retries within a second, one refused again waits two more and then four; and a loaded machine takes its time.
-LONGEST_WAIT_S = 5
+# The longest a message may wait from its send to its receive while the secret changes.  A refused batch is what
+# would hold messages back (its relay retries after 1 s, then 2, then 4), and the relays' failure counts show any;
+# this bound catches a stall without one, with room for a machine that runs four test processes on two cores (a
+# message waited over 5 s there, neither relay logging a failure).
+LONGEST_WAIT_S = 15
 
 
 def _findings(node, check: str) -> list[dict]:
@@ -78,8 +80,9 @@ def test_a_secret_rotated_while_messages_flow_both_ways_refuses_and_stalls_nothi
         with a.engine.begin() as c:
             assert broker.retire_peer_secret(c, b.instance) == 0  # nothing more to retire
         time.sleep(1)
-    assert all(traffic.longest_wait_s() < LONGEST_WAIT_S for traffic in flowing), "a message stalled"
     assert _refused_batches(a) == _refused_batches(b) == 0
+    longest = max(traffic.longest_wait_s() for traffic in flowing)
+    assert longest < LONGEST_WAIT_S, f"a message stalled for {longest:.1f} s"
 
 
 def test_a_rotation_step_out_of_turn_is_refused_with_what_to_do(nodes):
