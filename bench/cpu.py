@@ -54,14 +54,46 @@ class Roles:
 
 
     def _databases(self) -> dict[int, str]:
-        """Each backend's database, read on a connection that ends before the processes are read."""
-        connection = psycopg2.connect(self.a_url)
-        try:
-            with connection.cursor() as cursor:
-                cursor.execute(BACKENDS)
-                return dict(cursor.fetchall())
-        finally:
-            connection.close()
+        return _backends(self.a_url)
+
+
+@dataclass(frozen=True)
+class BareRoles:
+    """The bare relay's processes, in the groups of the broker's: its sender's backend, its backend reading and
+    deleting on A, its backend copying into B, the server's own processes, and the benchmark's thread that moves
+    the batches (the relay).  The nodes' backends, idle meanwhile, are left out."""
+    sender_backend: int
+    source_backend: int
+    target_backend: int
+    a_url: str
+    relay_thread: int
+
+    def times(self) -> dict[tuple[str, int], float]:
+        """CPU seconds each of them has used so far, by its group and pid (the relay: its thread id)."""
+        backends = _backends(self.a_url)
+        named = {self.sender_backend: GROUPS[0], self.source_backend: GROUPS[1], self.target_backend: GROUPS[2]}
+        used = {}
+        for process in psutil.Process(self.sender_backend).parent().children():
+            group = named.get(process.pid, GROUPS[3] if process.pid not in backends else None)
+            if group:
+                try:
+                    used[group, process.pid] = _seconds(process)
+                except psutil.NoSuchProcess:
+                    continue
+        [relay] = [thread for thread in psutil.Process().threads() if thread.id == self.relay_thread]
+        used[GROUPS[4], self.relay_thread] = relay.user_time + relay.system_time
+        return used
+
+
+def _backends(database_url: str) -> dict[int, str]:
+    """Each backend's database, read on a connection that ends before the processes are read."""
+    connection = psycopg2.connect(database_url)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(BACKENDS)
+            return dict(cursor.fetchall())
+    finally:
+        connection.close()
 
 
 def _seconds(process: psutil.Process) -> float:

@@ -69,9 +69,10 @@ def _transfer(nodes: TwoNodes, handles: list[str], messages: int, payloads: list
     return messages / (time.monotonic() - started)
 
 
-def _bare_relay(nodes: TwoNodes, conversations: int, messages: int, payloads: list) -> float:
+def _bare_relay(nodes: TwoNodes, conversations: int, messages: int, payloads: list) -> tuple[float, dict]:
     """The same traffic through a bare pipeline: multi-row INSERTs into an outbox table on A while a
-    loop selects a batch, COPYs it into B, commits, deletes it from A and commits."""
+    loop selects a batch, COPYs it into B, commits, deletes it from A and commits.  Returns its rate and its
+    CPU a message in the groups of the broker's (bench.cpu)."""
     conversation_ids = [str(uuid.uuid4()) for _ in range(conversations)]
     sender = psycopg2.connect(nodes.a_url)
     source = psycopg2.connect(nodes.a_url)
@@ -83,6 +84,9 @@ def _bare_relay(nodes: TwoNodes, conversations: int, messages: int, payloads: li
                 cursor.execute(f"TRUNCATE {table}")
             connection.commit()
         done_sending = threading.Event()
+        roles = cpu.BareRoles(sender.get_backend_pid(), source.get_backend_pid(), target.get_backend_pid(),
+                              nodes.a_url, threading.get_native_id())
+        before = roles.times()
 
         def send() -> None:
             with sender.cursor() as cursor:
@@ -118,7 +122,8 @@ def _bare_relay(nodes: TwoNodes, conversations: int, messages: int, payloads: li
         sending.join()
         if moved < messages:
             raise RuntimeError(f"the bare relay moved {moved:,} of {messages:,} in time")
-        return messages / (time.monotonic() - started)
+        rate = messages / (time.monotonic() - started)
+        return rate, cpu.per_message_us(before, roles.times(), messages)
     finally:
         for connection in (sender, source, target):
             connection.close()
@@ -130,13 +135,14 @@ def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: in
     handles, opened_per_s = open_conversations(nodes, conversations, payloads)
     _transfer(nodes, handles, min(messages, 5_000), payloads)  # warm the processes and caches
     nodes.clear_arrived()
-    ours, bare, cpu_used = [], [], []
+    ours, bare, cpu_used, bare_cpu_used = [], [], [], []
     wal_bytes: dict[str, list[float]] = {"broker": [], "bare relay": []}
     roles = nodes.roles()
     wal = WalMeter(nodes.a_url)
     for repetition in range(1, repetitions + 1):
-        rate, written = wal.written_during(lambda: _bare_relay(nodes, conversations, messages, payloads))
+        (rate, bare_cpu), written = wal.written_during(lambda: _bare_relay(nodes, conversations, messages, payloads))
         bare.append(rate)
+        bare_cpu_used.append(bare_cpu)
         wal_bytes["bare relay"].append(written / messages)
         before = roles.times()
         rate, written = wal.written_during(lambda: _transfer(nodes, handles, messages, payloads))
@@ -145,13 +151,16 @@ def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: in
         cpu_used.append(cpu.per_message_us(before, roles.times(), messages))
         nodes.clear_arrived()
         report(f"cross-node transfer: repetition {repetition}/{repetitions}: bare relay {bare[-1]:,.0f} msgs/s, "
-               f"broker {ours[-1]:,.0f} msgs/s, CPU {cpu_used[-1]['all']:.1f} µs a message, WAL "
+               f"broker {ours[-1]:,.0f} msgs/s, CPU {cpu_used[-1]['all']:.1f} µs a message (bare relay "
+               f"{bare_cpu_used[-1]['all']:.1f}), WAL "
                f"{wal_bytes['broker'][-1]:,.0f} bytes a message (bare relay {wal_bytes['bare relay'][-1]:,.0f})")
     wal.close()
-    cpu_us = {group: statistics.median(used[group] for used in cpu_used) for group in cpu_used[0]}
+    cpu_us, bare_cpu_us = ({group: statistics.median(used[group] for used in runs) for group in runs[0]}
+                           for runs in (cpu_used, bare_cpu_used))
     measured = Measurement(f"send_batch → relay → HTTP → accept, CPU {cpu_us['all']:.0f} µs a message over both "
                            "nodes", "msgs/s", ours)
-    baseline = Measurement("bare relay: INSERT / SELECT, COPY, DELETE", "msgs/s", bare)
+    baseline = Measurement(f"bare relay: INSERT / SELECT, COPY, DELETE, CPU {bare_cpu_us['all']:.0f} µs a message",
+                           "msgs/s", bare)
     return ScenarioResult("cross-node transfer", measured, baseline,
                           target="≥ 0.75 × baseline (and ≥ 1.0 × RabbitMQ: its row)",
                           met=ratio_met(measured, baseline, 0.75),
@@ -159,6 +168,7 @@ def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: in
                                    "per_transaction": workload.PER_TRANSACTION,
                                    "conversations_opened_per_s": opened_per_s,
                                    "cpu_us_per_message": cpu_us,
+                                   "bare_relay_cpu_us_per_message": bare_cpu_us,
                                    # both nodes' databases, on one server
                                    "wal_bytes_per_message": {name: round(statistics.median(values))
                                                              for name, values in wal_bytes.items()},

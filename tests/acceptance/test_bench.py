@@ -62,6 +62,8 @@ def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(tmp_
     assert set(cpu_us) == {*GROUPS, "all"}
     assert all(cpu_us[group] > 0 for group in ("sender's backend", "A's relay-lane backends", "B's accepting backends",
                                                "relay (Python)", "API (Python)"))
+    bare_cpu_us = scenarios["cross-node transfer"]["details"]["bare_relay_cpu_us_per_message"]
+    assert set(bare_cpu_us) == {*GROUPS, "all"} and bare_cpu_us["all"] > 0  # a quick run's parts are a few ticks
     assert len(scenarios["cross-node at scale (min of the curve)"]["series"]["scale"]) == 5
     table = (tmp_path / "results" / "results.md").read_text()
     assert all(name in table for name in SCENARIOS)
