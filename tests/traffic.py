@@ -12,6 +12,9 @@ from tests.nodes import wait_for
 
 QUEUES = {"shop": "shop_queue", "warehouse": "warehouse_queue"}  # of each service in tests.nodes.serve_pair
 CONVERSATION_ID = text("SELECT conversation_id FROM broker.conversation_endpoints WHERE conversation_handle = :handle")
+# What the sending node still holds for its far node, and why: said when what was sent does not all arrive.
+WAITING_TO_TRANSMIT = text("SELECT transmission_status, count(*) FROM broker.transmission_queue_status"
+                           " GROUP BY transmission_status")
 
 
 class Traffic:
@@ -75,7 +78,13 @@ class Traffic:
     def finish(self, timeout_s=90):
         self.stop.set()
         self.threads[0].join()
-        wait_for(lambda: self.missing() <= 0, timeout_s, f"{self.to_service} to receive everything sent")
+        try:
+            wait_for(lambda: self.missing() <= 0, timeout_s, f"{self.to_service} to receive everything sent")
+        except AssertionError as timed_out:
+            with self.sender.engine.connect() as c:
+                waiting = c.execute(WAITING_TO_TRANSMIT).all()
+            raise AssertionError(f"{timed_out}: {self.missing()} missing; the sending node holds "
+                                 f"{[tuple(row) for row in waiting]}") from None
         self.threads[1].join()
 
     def longest_wait_s(self, sent_from: float = 0.0, sent_until: float = float("inf")) -> float:
