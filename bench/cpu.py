@@ -34,7 +34,7 @@ class Roles:
 
     def times(self) -> dict[tuple[str, int], float]:
         """CPU seconds (user and system) each process alive now has used so far, by its group and pid."""
-        databases = self._databases()
+        databases = _backends(self.a_url)
         groups = {self.a_database: GROUPS[1], self.b_database: GROUPS[2]}
         used = {}
         for process in psutil.Process(self.sender_backend).parent().children():
@@ -51,10 +51,6 @@ class Roles:
             for member in (process, *process.children(recursive=True)):
                 used[group, member.pid] = _seconds(member)
         return used
-
-
-    def _databases(self) -> dict[int, str]:
-        return _backends(self.a_url)
 
 
 @dataclass(frozen=True)
