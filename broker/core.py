@@ -4,21 +4,25 @@ Each function takes the caller's SQLAlchemy Connection or Session and runs in
 the caller's transaction, so an application can receive, do its own work and
 send in one transaction; nothing here commits.
 """
+from __future__ import annotations
+
 import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 from uuid import UUID
 
 from sqlalchemy import Connection, Result
-from sqlalchemy.orm import Session
 
 from broker import queries, tracing
 from broker.errors import translated_errors
 
-Executor = Connection | Session
+if TYPE_CHECKING:  # the ORM is the application's to import: a node and the CLI use Connections alone
+    from sqlalchemy.orm import Session
+
+Executor: TypeAlias = "Connection | Session"
 
 
 def _call(executor: Executor, function: str, /, *, casts: dict[str, str] | None = None, **arguments: Any) -> Result:

@@ -1,12 +1,16 @@
-"""Applying the Alembic migrations from Python (the CLI and the tests use this)."""
+"""Applying the Alembic migrations from Python (the CLI and the tests use this).
+
+Alembic is imported where it is used: every `broker` command imports this module, and most never migrate."""
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import create_engine
 
 from broker import queries, schema
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 # Our own version table, so that an application's Alembic history in the same
 # database stays its own.
@@ -55,9 +59,11 @@ def alter_while_serving(*statements: str, lock_timeout_ms: int = 1000, attempts:
             connection.exec_driver_sql("RESET lock_timeout")
 
 
-def alembic_config(database_url: str) -> Config:
+def alembic_config(database_url: str) -> "Config":
     """The configuration alembic.ini gives the `alembic` command in a checkout, built here so that an
     installed wheel, which has the migrations package but no alembic.ini, needs no file."""
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(resources.files("broker.migrations")))
     config.set_main_option("path_separator", "os")
@@ -81,6 +87,8 @@ def upgrade(database_url: str, revision: str = "head") -> None:
     """To head: a database without the broker's schema is built from its definition (broker/sql/) and
     stamped, in one transaction; any other goes through the revisions, which change its tables, and then gets the
     function files that changed (migrations/env.py)."""
+    from alembic import command
+
     if revision != "head" or not _build_if_empty(database_url):
         command.upgrade(alembic_config(database_url), revision)
 
@@ -118,8 +126,12 @@ def refuse_older_than_baseline(connection) -> None:
 
 
 def downgrade(database_url: str, revision: str = "base") -> None:
+    from alembic import command
+
     command.downgrade(alembic_config(database_url), revision)
 
 
 def current(database_url: str) -> None:
+    from alembic import command
+
     command.current(alembic_config(database_url), verbose=True)

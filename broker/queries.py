@@ -6,18 +6,22 @@
 
 Where a lookup needs Python around its statement, it is a function here too.
 """
+from __future__ import annotations
+
 import functools
 import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from sqlalchemy import Connection, Result, Row, TextClause, text
 from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
-from sqlalchemy.orm import Session
 
 from broker import errors
+
+if TYPE_CHECKING:  # the ORM is the application's to import: a node and the CLI use Connections alone
+    from sqlalchemy.orm import Session
 
 BLOCK_NAME = re.compile(r"^-- ([a-z][a-z0-9_]*) --$", re.MULTILINE)
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 import psycopg2
@@ -17,9 +18,11 @@ from rich.text import Text
 from sqlalchemy import Engine, create_engine
 
 from broker import migrate as migrations
-from broker.cli.embedded import EmbeddedPostgres
 from broker.masking import mask_passwords, visible
 from broker.settings import Settings
+
+if TYPE_CHECKING:  # the embedded server's package is imported only where no database is configured
+    from broker.cli.embedded import EmbeddedPostgres
 
 app = typer.Typer(help="Exactly-once-in-order messaging between PostgreSQL databases.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
@@ -119,11 +122,13 @@ def add_cells(table, *values: object) -> None:
 
 
 @contextmanager
-def database(settings: Settings) -> Iterator[tuple[str, EmbeddedPostgres | None]]:
+def database(settings: Settings) -> Iterator[tuple[str, "EmbeddedPostgres | None"]]:
     """The configured database, or the embedded server in the data folder, stopped on exit."""
     if settings.database_url:
         yield settings.database_url, None
         return
+    from broker.cli.embedded import EmbeddedPostgres
+
     with EmbeddedPostgres(settings.data_dir) as server:
         stderr.print(f"[dim]embedded PostgreSQL on 127.0.0.1:{server.port}, data in {server.pgdata}[/dim]")
         yield server.url(), server
