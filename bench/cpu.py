@@ -7,6 +7,7 @@ checkpointer, ...).  The load generator's Python and the benchmark's own session
 part of either node and are left out.
 """
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -36,16 +37,13 @@ class Roles:
         """CPU seconds (user and system) each process alive now has used so far, by its group and pid."""
         databases = _backends(self.a_url)
         groups = {self.a_database: GROUPS[1], self.b_database: GROUPS[2]}
-        used = {}
-        for process in psutil.Process(self.sender_backend).parent().children():
-            if process.pid in self.watching_backends:
-                continue
-            group = GROUPS[0] if process.pid == self.sender_backend else groups.get(databases.get(process.pid),
-                                                                                    GROUPS[3])
-            try:
-                used[group, process.pid] = _seconds(process)
-            except psutil.NoSuchProcess:
-                continue
+
+        def group_of(pid: int) -> str | None:
+            if pid in self.watching_backends:
+                return None
+            return GROUPS[0] if pid == self.sender_backend else groups.get(databases.get(pid), GROUPS[3])
+
+        used = _server_times(self.sender_backend, group_of)
         for group, pid in ((GROUPS[4], self.relay), (GROUPS[5], self.api)):
             process = psutil.Process(pid)
             for member in (process, *process.children(recursive=True)):
@@ -68,17 +66,25 @@ class BareRoles:
         """CPU seconds each of them has used so far, by its group and pid (the relay: its thread id)."""
         backends = _backends(self.a_url)
         named = {self.sender_backend: GROUPS[0], self.source_backend: GROUPS[1], self.target_backend: GROUPS[2]}
-        used = {}
-        for process in psutil.Process(self.sender_backend).parent().children():
-            group = named.get(process.pid, GROUPS[3] if process.pid not in backends else None)
-            if group:
-                try:
-                    used[group, process.pid] = _seconds(process)
-                except psutil.NoSuchProcess:
-                    continue
+        used = _server_times(self.sender_backend,
+                             lambda pid: named.get(pid, GROUPS[3] if pid not in backends else None))
         [relay] = [thread for thread in psutil.Process().threads() if thread.id == self.relay_thread]
         used[GROUPS[4], self.relay_thread] = relay.user_time + relay.system_time
         return used
+
+
+def _server_times(sender_backend: int, group_of: Callable[[int], str | None]) -> dict[tuple[str, int], float]:
+    """CPU seconds each process of the server has used so far, by the group group_of gives its pid (None: left
+    out) and its pid; a process that ends while it is read is left out."""
+    used = {}
+    for process in psutil.Process(sender_backend).parent().children():
+        group = group_of(process.pid)
+        if group:
+            try:
+                used[group, process.pid] = _seconds(process)
+            except psutil.NoSuchProcess:
+                continue
+    return used
 
 
 def _backends(database_url: str) -> dict[int, str]:

@@ -11,18 +11,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Connection, Result
+from sqlalchemy import Result
 
 from broker import queries, tracing
 from broker.errors import translated_errors
-
-if TYPE_CHECKING:  # the ORM is the application's to import: a node and the CLI use Connections alone
-    from sqlalchemy.orm import Session
-
-Executor: TypeAlias = "Connection | Session"
+from broker.queries import Executor
 
 
 def _call(executor: Executor, function: str, /, *, casts: dict[str, str] | None = None, **arguments: Any) -> Result:

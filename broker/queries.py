@@ -12,7 +12,7 @@ import functools
 import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 from uuid import UUID
 
 from sqlalchemy import Connection, Result, Row, TextClause, text
@@ -22,6 +22,9 @@ from broker import errors
 
 if TYPE_CHECKING:  # the ORM is the application's to import: a node and the CLI use Connections alone
     from sqlalchemy.orm import Session
+
+# What the broker's statements run on: the caller's Connection or Session, in the caller's transaction.
+Executor: TypeAlias = "Connection | Session"
 
 BLOCK_NAME = re.compile(r"^-- ([a-z][a-z0-9_]*) --$", re.MULTILINE)
 
@@ -79,7 +82,7 @@ def _statement(form: str, function: str, arguments: tuple[str, ...], casts: tupl
     return text(form.format(_called(function, arguments, dict(casts))))
 
 
-def call(executor: Connection | Session, function: str, /, *, casts: Mapping[str, str] | None = None,
+def call(executor: Executor, function: str, /, *, casts: Mapping[str, str] | None = None,
          traceparent: str | None = None, **arguments: Any) -> Result:
     """SELECT broker.function(name => :name, …): a function of the SQL API with the arguments given, named by the
     SQL function's own parameter names (PostgreSQL's named notation); those not given take their defaults.  The
@@ -101,7 +104,7 @@ def call(executor: Connection | Session, function: str, /, *, casts: Mapping[str
     return result
 
 
-def select_from(executor: Connection | Session, function: str, /, **arguments: Any) -> Result:
+def select_from(executor: Executor, function: str, /, **arguments: Any) -> Result:
     """SELECT * FROM broker.function(name => :name, …): the rows of a set-returning function of the SQL API (or
     the OUT parameters of one as columns), with the arguments given as call gives them."""
     return executor.execute(_statement(SELECT_FROM, function, tuple(arguments), ()), arguments)

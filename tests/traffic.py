@@ -6,6 +6,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 import broker
 from tests.nodes import wait_for
@@ -81,10 +82,12 @@ class Traffic:
         try:
             wait_for(lambda: self.missing() <= 0, timeout_s, f"{self.to_service} to receive everything sent")
         except AssertionError as timed_out:
-            with self.sender.engine.connect() as c:
-                waiting = c.execute(WAITING_TO_TRANSMIT).all()
-            raise AssertionError(f"{timed_out}: {self.missing()} missing; the sending node holds "
-                                 f"{[tuple(row) for row in waiting]}") from None
+            try:
+                with self.sender.engine.connect() as c:
+                    holds = [tuple(row) for row in c.execute(WAITING_TO_TRANSMIT)]
+            except DBAPIError as error:  # the timeout is the failure; its database gone says why, not instead
+                holds = f"unknown (its database: {str(error.orig).strip().splitlines()[0]})"
+            raise AssertionError(f"{timed_out}: {self.missing()} missing; the sending node holds {holds}") from None
         self.threads[1].join()
 
     def longest_wait_s(self, sent_from: float = 0.0, sent_until: float = float("inf")) -> float:
