@@ -115,33 +115,40 @@ GRANT EXECUTE ON FUNCTION broker._delivery_time(interval,timestamp with time zon
 -- Locks every local endpoint of the conversations whose handles are given,
 -- conversation by conversation and the initiator's endpoint first: the order
 -- of broker._lock_endpoint and of an arriving batch, so that writers of many
--- conversations at once and writers of one cannot deadlock.  The
--- conversations are looked up as an array, one probe of the index each: as a
--- semi-join, the plan kept for the function could scan every endpoint.
-CREATE OR REPLACE FUNCTION broker._lock_conversations(handles uuid[]) RETURNS void
+-- conversations at once and writers of one cannot deadlock.  Returns the
+-- locked endpoints as they are now, so that a caller judges them in the
+-- statement that locks them.  The conversations are looked up as an array,
+-- one probe of the index each: as a semi-join, the plan kept for a calling
+-- function could scan every endpoint.
+DROP FUNCTION IF EXISTS broker._lock_conversations(uuid[]);
+CREATE OR REPLACE FUNCTION broker._locked_conversations(handles uuid[]) RETURNS SETOF broker.endpoints
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM FROM (SELECT FROM broker.endpoints e
-                  WHERE e.conversation_id = ANY (ARRAY(SELECT l.conversation_id FROM broker.endpoints l
-                                                       WHERE l.conversation_handle = ANY (handles)))
-                  ORDER BY e.conversation_id, e.is_initiator DESC
-                  FOR NO KEY UPDATE) locked;
+    RETURN QUERY
+        SELECT e.* FROM broker.endpoints e
+        WHERE e.conversation_id = ANY (ARRAY(SELECT l.conversation_id FROM broker.endpoints l
+                                             WHERE l.conversation_handle = ANY (handles)))
+        ORDER BY e.conversation_id, e.is_initiator DESC
+        FOR NO KEY UPDATE;
 END $$;
-GRANT EXECUTE ON FUNCTION broker._lock_conversations(uuid[]) TO broker_relay;
+GRANT EXECUTE ON FUNCTION broker._locked_conversations(uuid[]) TO broker_relay;
 
 -- Sends many messages of one type at once, bodies[i] on conversation_handles[i]
 -- (bodies NULL: every body NULL).  A handle may appear more than once: its
 -- messages are numbered in the order given.  Returns the sequence numbers in
 -- that order.  All or nothing, with every check and error of broker.send.
--- The common case is set-based: conversing conversations within their
--- lifetime sending a type without validation that their contract allows are
--- locked together (broker._lock_conversations), judged by one statement, and
--- numbered and queued by another: one INSERT into the transmission queue when
--- their far side is remote, or into the far side's queue when it is local,
--- takes messages and its queue is enabled.  Anything else (a conversation past
+-- The common case is set-based, in two statements: one locks the
+-- conversations (broker._locked_conversations) and judges whether each may
+-- send the type without validation that its contract allows, within its
+-- lifetime, with every body within the size limit (a local far side must
+-- also take it now: in step, its queue enabled); the other numbers the
+-- messages, queues them (into the transmission log when their far side is
+-- remote, into the far side's queue when it is local) and moves on each
+-- endpoint's numbers, a conversation's endpoints looked up once whatever
+-- number of its messages the batch holds.  Anything else (a conversation past
 -- its lifetime, say, which broker.send refuses) goes through broker.send one
 -- message at a time.  Each statement costs its executor start whatever it
--- does, which is why the checks and the numbering are not split further.
+-- does, which is why the work is not split further.
 CREATE OR REPLACE FUNCTION broker.send_batch(conversation_handles uuid[], message_type text, bodies bytea[] DEFAULT NULL)
 RETURNS bigint[]
 LANGUAGE plpgsql
@@ -151,7 +158,6 @@ DECLARE
     mt broker.message_types := broker._message_type(message_type);
     given integer := cardinality(conversation_handles);
     plain boolean;
-    bodies_fit boolean;
     local_messages integer;
     first_position bigint;
     numbers bigint[];
@@ -166,10 +172,9 @@ BEGIN
         PERFORM broker._raise('BR050', format('bodies has %s elements and conversation_handles %s: give one body per handle',
             cardinality(bodies), given));
     END IF;
-    PERFORM broker._lock_conversations(conversation_handles);
-    -- The whole batch judged at once: whether every conversation may send the
-    -- type the common way (a local far side must take it now), whether every
-    -- body fits, and how many messages go to a local far side.
+    WITH locked AS MATERIALIZED (
+        SELECT * FROM broker._locked_conversations(conversation_handles)
+    )
     SELECT coalesce(bool_and(coalesce(
                broker._may_send(e.state, e.expires_at)
                AND (e.contract_id, e.is_initiator) IN (SELECT p.contract_id, p.sent_by_initiator
@@ -177,16 +182,15 @@ BEGIN
                                                        WHERE p.message_type_id = mt.message_type_id)
                AND (NOT e.far_is_local
                     OR (far.state IN ('conversing', 'disconnected_inbound') AND far.receive_sequence = e.send_sequence
-                        AND q.is_enabled)), false)), false),
-           coalesce(sum(g.messages) FILTER (WHERE e.far_is_local), 0),
-           (SELECT coalesce(max(octet_length(b)), 0) FROM unnest(bodies) b) <= (SELECT max_message_bytes FROM broker.node)
-    INTO plain, local_messages, bodies_fit
+                        AND q.is_enabled)), false)), false)
+           AND (SELECT coalesce(max(octet_length(b)), 0) FROM unnest(bodies) b) <= (SELECT max_message_bytes FROM broker.node),
+           coalesce(sum(g.messages) FILTER (WHERE e.far_is_local), 0)
+    INTO plain, local_messages
     FROM (SELECT h, count(*) AS messages FROM unnest(conversation_handles) h GROUP BY h) g
-    LEFT JOIN broker.endpoints e ON e.conversation_handle = g.h AND e.conversation_handle = ANY (conversation_handles)
-    LEFT JOIN broker.endpoints far
-           ON e.far_is_local AND far.conversation_id = e.conversation_id AND far.is_initiator = NOT e.is_initiator
+    LEFT JOIN locked e ON e.conversation_handle = g.h
+    LEFT JOIN locked far ON e.far_is_local AND far.conversation_id = e.conversation_id AND far.is_initiator = NOT e.is_initiator
     LEFT JOIN broker.queues q ON q.queue_id = far.queue_id;
-    IF NOT (plain AND bodies_fit) THEN
+    IF NOT plain THEN
         numbers := '{}';
         FOR i IN 1 .. given LOOP
             numbers := numbers || broker.send(conversation_handles[i], message_type, bodies[i]);
@@ -196,46 +200,48 @@ BEGIN
     IF local_messages > 0 THEN
         first_position := broker._next_queue_positions(local_messages);
     END IF;
-    WITH numbered AS (
-        SELECT g.k, g.h, e.send_sequence + row_number() OVER (PARTITION BY g.h ORDER BY g.k) AS sequence_number,
-               e.conversation_id, e.far_service, e.far_is_local, e.is_initiator, e.held_until, e.priority, g.b
-        FROM unnest(conversation_handles, bodies) WITH ORDINALITY AS g(h, b, k)
-        JOIN broker.endpoints e ON e.conversation_handle = g.h
-        WHERE e.conversation_handle = ANY (conversation_handles)
+    WITH conversations AS (
+        SELECT e.conversation_handle, e.conversation_id, e.send_sequence, e.far_service, e.far_is_local, e.held_until,
+               e.priority, far.conversation_handle AS far_handle, far.queue_id AS far_queue_id,
+               far.conversation_group_id AS far_group_id, far.priority AS far_priority, g.messages
+        FROM (SELECT h, count(*) AS messages FROM unnest(conversation_handles) h GROUP BY h) g
+        JOIN broker.endpoints e ON e.conversation_handle = g.h AND e.conversation_handle = ANY (conversation_handles)
+        LEFT JOIN broker.endpoints far
+               ON e.far_is_local AND far.conversation_id = e.conversation_id AND far.is_initiator = NOT e.is_initiator
+    ), numbered AS (  -- the bodies stay in their array, taken by index where they are stored
+        SELECT m.k, c.*, c.send_sequence + row_number() OVER (PARTITION BY m.h ORDER BY m.k) AS sequence_number
+        FROM unnest(conversation_handles) WITH ORDINALITY AS m(h, k)
+        JOIN conversations c ON c.conversation_handle = m.h
     ), queued AS (
         INSERT INTO broker.transmission_log (conversation_handle, message_sequence_number, conversation_id,
                                              to_service, message_type_id, body, next_attempt_at, priority,
                                              traceparent)
-        SELECT n.h, n.sequence_number, n.conversation_id, n.far_service, mt.message_type_id, n.b,
-               greatest(n.held_until, now()), n.priority, trace
+        SELECT n.conversation_handle, n.sequence_number, n.conversation_id, n.far_service, mt.message_type_id,
+               bodies[n.k], greatest(n.held_until, now()), n.priority, trace
         FROM numbered n WHERE NOT n.far_is_local
     ), delivered AS (
         INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
                                            conversation_id, message_sequence_number, message_type_id, body, priority,
                                            traceparent)
-        SELECT far.queue_id, first_position + row_number() OVER (ORDER BY n.k) - 1, far.conversation_group_id,
-               far.conversation_handle, far.conversation_id, n.sequence_number, mt.message_type_id, n.b, far.priority,
-               trace
-        FROM numbered n
-        JOIN broker.endpoints far ON far.conversation_id = n.conversation_id AND far.is_initiator = NOT n.is_initiator
-        WHERE n.far_is_local
-        RETURNING queue_id
-    ), sent AS (  -- only the senders' endpoints: a far side, which may send in this batch too, moves on below
-        UPDATE broker.endpoints e SET send_sequence = last.sequence_number
-        FROM (SELECT n.h, max(n.sequence_number) AS sequence_number FROM numbered n GROUP BY n.h) last
-        WHERE e.conversation_handle = last.h
+        SELECT n.far_queue_id, first_position + row_number() OVER (ORDER BY n.k) - 1, n.far_group_id, n.far_handle,
+               n.conversation_id, n.sequence_number, mt.message_type_id, bodies[n.k], n.far_priority, trace
+        FROM numbered n WHERE n.far_is_local
+    ), moved AS (  -- each endpoint once: a sender's send_sequence, a local far side's receive_sequence, or both
+        UPDATE broker.endpoints e SET send_sequence = e.send_sequence + m.sent,
+                                      receive_sequence = e.receive_sequence + m.received
+        FROM (SELECT x.handle, sum(x.sent) AS sent, sum(x.received) AS received
+              FROM conversations c
+              CROSS JOIN LATERAL (VALUES (c.conversation_handle, c.messages, 0),
+                                         (c.far_handle, 0, c.messages)) AS x(handle, sent, received)
+              WHERE x.handle IS NOT NULL
+              GROUP BY x.handle) m
+        WHERE e.conversation_handle = m.handle
     )
     SELECT array_agg(n.sequence_number ORDER BY n.k),
-           (SELECT array_agg(DISTINCT d.queue_id) FROM delivered d),
-           array_agg(DISTINCT left(n.h::text, 1)) FILTER (WHERE NOT n.far_is_local)
+           array_agg(DISTINCT n.far_queue_id) FILTER (WHERE n.far_is_local),
+           array_agg(DISTINCT left(n.conversation_handle::text, 1)) FILTER (WHERE NOT n.far_is_local)
     INTO numbers, queues, lanes
     FROM numbered n;
-    IF local_messages > 0 THEN
-        UPDATE broker.endpoints far SET receive_sequence = e.send_sequence
-        FROM broker.endpoints e
-        WHERE e.conversation_handle = ANY (conversation_handles) AND e.far_is_local
-          AND far.conversation_id = e.conversation_id AND far.is_initiator = NOT e.is_initiator;
-    END IF;
     PERFORM pg_notify('broker_queue', q::text) FROM unnest(queues) q;
     PERFORM pg_notify('broker_transmission_queue', lane) FROM unnest(lanes) lane;
     RETURN coalesce(numbers, '{}');
@@ -321,7 +327,7 @@ BEGIN
         PERFORM broker._raise('BR050', 'give as many conversation handles, sequence numbers, message types and '
             'bodies, without NULL but in bodies');
     END IF;
-    PERFORM broker._lock_conversations(conversation_handles);
+    PERFORM FROM broker._locked_conversations(conversation_handles);
     SELECT h INTO unknown FROM unnest(conversation_handles) WITH ORDINALITY AS g(h, k)
     WHERE NOT EXISTS (SELECT FROM broker.endpoints e WHERE e.conversation_handle = g.h) ORDER BY k LIMIT 1;
     IF FOUND THEN
