@@ -150,13 +150,13 @@ def test_a_reply_held_by_the_target_keeps_the_reply_order(engine, orders):
 
 def test_held_messages_cross_to_another_node_in_order(nodes):
     a, b = nodes
+    sent = time.monotonic()  # before the send, whose delivery time counts from the send itself, not the commit
     with a.engine.begin() as c:
         handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
         broker.send(c, handle, "order.submit", '{"n": 1}', deliver_after=2 * SECOND)
         broker.send(c, handle, "order.submit", '{"n": 2}')
         other = broker.begin_dialog(c, "shop", "warehouse", "orders")
         broker.send(c, other, "order.submit", '{"n": 0}')
-    sent = time.monotonic()
     assert [m.json() for m in b.receive_all("warehouse_queue", 1)] == [{"n": 0}]
     time.sleep(1)
     assert a.scalar("SELECT count(*) FROM broker.transmission_queue_status") == 2  # still held on a
