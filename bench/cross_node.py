@@ -207,7 +207,8 @@ def traced(nodes: TwoNodes, conversations: int, messages: int, repetitions: int,
 def resend_window(nodes: TwoNodes, conversations: int, messages: int, repetitions: int,
                   report: Callable[[str], None]) -> ScenarioResult:
     """The transfer keeping what B acknowledged for A's resend window (the default, 24 hours) against the same
-    transfer keeping nothing (resend_window 0), the two alternated on the same nodes."""
+    transfer keeping nothing (resend_window 0), the two alternated on the same nodes, each from the log its window
+    keeps (TwoNodes.forget_acknowledged)."""
     payloads = workload.bodies()
     handles, _ = open_conversations(nodes, conversations, payloads)
     without, kept = [], []
@@ -216,6 +217,7 @@ def resend_window(nodes: TwoNodes, conversations: int, messages: int, repetition
             with nodes.a.cursor() as cursor:
                 cursor.execute(SET_RESEND_WINDOW, (window,))
             nodes.a.commit()
+            nodes.forget_acknowledged()
             rates.append(_transfer(nodes, handles, messages, payloads))
             nodes.clear_arrived()
         report(f"cross-node transfer, resend window: repetition {repetition}/{repetitions}: without "

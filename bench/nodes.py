@@ -19,6 +19,7 @@ from bench import workload
 from bench.cpu import Roles
 from bench.databases import BenchServer
 from broker.cli.processes import answers, free_port, start_broker, stop
+from broker.relay import FORGET_AT_ONCE
 
 WAITING_TO_TRANSMIT = "SELECT count(*) FROM broker.transmission_queue_status"
 # Whether a conversation side has numbers its far node has not acknowledged: a look at each conversation, not at
@@ -27,6 +28,7 @@ ANY_WAITING_TO_TRANSMIT = ("SELECT EXISTS (SELECT FROM broker.endpoints e"
                            " LEFT JOIN broker.transmission_progress p ON p.conversation_handle = e.conversation_handle"
                            " WHERE NOT e.far_is_local AND e.send_sequence > coalesce(p.acknowledged_sequence, 0))")
 ARRIVED = "SELECT count(*) FROM broker.queue_messages"
+FORGET_ACKNOWLEDGED = "SELECT broker.forget_acknowledged_messages(%(at_once)s)"
 
 
 def serve_api(database_url: str, log: Path, port: int | None = None, settings: dict[str, str] | None = None
@@ -129,6 +131,17 @@ class TwoNodes:
         with self.b.cursor() as cursor:
             cursor.execute(ARRIVED)
             return cursor.fetchone()[0]
+
+    def forget_acknowledged(self) -> None:
+        """Forgets on A what its resend window lets it forget now, as its relay does once a minute, and vacuums the
+        log: so that a measurement starts from the log its window keeps, not from what those before it sent, and
+        does not pay for their forgetting (nor for the vacuum after it) at whatever point of it a minute ends."""
+        with self.watching_a.cursor() as cursor:
+            forgotten = FORGET_AT_ONCE
+            while forgotten >= FORGET_AT_ONCE:
+                cursor.execute(FORGET_ACKNOWLEDGED, {"at_once": FORGET_AT_ONCE})
+                forgotten = cursor.fetchone()[0]
+            cursor.execute("VACUUM broker.transmission_log")
 
     def clear_arrived(self) -> None:
         """Empties B's queue between measurements, and vacuums it so that the next one does not pay
