@@ -245,7 +245,11 @@ class Lane:
             self._continue_queue_positions()
             queries.call(connection, "forget_closed_endpoints")
             queries.call(connection, "withhold_what_peers_forgot")
+            passed_over = queries.call(connection, "retry_passed_over").scalars().all()
             connection.commit()
+            if passed_over:
+                log.warning("the reading passed over %d conversation sides that wait (first %s): they are sent "
+                            "again by number", len(passed_over), passed_over[0])
             # The resend window keeps up with any rate: a transaction of its own for each FORGET_AT_ONCE forgotten.
             while queries.call(connection, "forget_acknowledged_messages",
                                max_messages=FORGET_AT_ONCE).scalar_one() >= FORGET_AT_ONCE:

@@ -91,3 +91,29 @@ def test_the_cursor_moves_past_what_was_acknowledged_once_no_transaction_can_wri
     assert a.scalar("SELECT read_position FROM broker.transmission_cursors") == a.scalar(
         "SELECT max(position) FROM broker.transmission_log")
     assert len(delivered(b)) == 9
+
+
+def test_a_message_the_reading_passed_over_is_found_and_sent_by_number(shop_and_warehouse):
+    """Were the cursor ever past a message that is neither acknowledged nor waiting for a retry, the relay's minute
+    finds its conversation side and sends it by number; a side that waits as it should is left alone."""
+    a, b = shop_and_warehouse
+    passed_over, waiting = _begin(a, 2)
+    with a.engine.begin() as c:
+        broker.send(c, waiting, "order.note", "read in its turn")
+    assert carry(a, b) is not None
+    with a.engine.begin() as c:
+        broker.send(c, passed_over, "order.note", "behind the cursor")
+        broker.send(c, waiting, "order.note", "waits in its turn")
+        c.execute(text("INSERT INTO broker.transmission_retries (conversation_handle, to_service, priority,"
+                       " next_attempt_at) SELECT conversation_handle, far_service, priority, now() + interval '1 day'"
+                       " FROM broker.endpoints WHERE conversation_handle = :h"), {"h": waiting})
+        # the fault: the cursor past a message it was never sent
+        c.execute(text("UPDATE broker.transmission_cursors SET read_position = (SELECT max(position)"
+                       " FROM broker.transmission_log)"))
+    assert carry(a, b) is None
+    with a.engine.begin() as c:
+        assert c.execute(text("SELECT broker.retry_passed_over()")).scalars().all() == [passed_over]
+        assert c.execute(text("SELECT broker.retry_passed_over()")).all() == []  # once
+    assert carry(a, b) is not None
+    assert delivered(b) == ["read in its turn", "behind the cursor"]
+    assert a.scalar(WAITING) == 1  # the other side's retry is a day away

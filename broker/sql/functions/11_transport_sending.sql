@@ -229,6 +229,38 @@ LANGUAGE sql AS $$
 $$;
 GRANT EXECUTE ON FUNCTION broker._move_cursor(text,uuid,uuid) TO broker_relay;
 
+-- A lane's cursor passes only over messages acknowledged, waiting in
+-- broker.transmission_retries, or gone (broker.transmission_cursors).  A
+-- conversation side with a message at or below its lane's read position that
+-- none of these holds would wait for ever: it is put in transmission_retries
+-- and read by number from its first unacknowledged message, which at worst
+-- sends again what the far node acknowledges as duplicates.  Returns the
+-- handles of the sides so found: none, unless the reading has a fault, which
+-- the relay then reports.  A running relay calls it every minute.
+CREATE OR REPLACE FUNCTION broker.retry_passed_over() RETURNS SETOF uuid
+LANGUAGE sql AS $$
+    INSERT INTO broker.transmission_retries (conversation_handle, to_service, priority, reason)
+    SELECT e.conversation_handle, e.far_service, e.priority, 'passed over by the reading: sent again by number'
+    FROM broker.endpoints e
+    LEFT JOIN broker.transmission_progress p ON p.conversation_handle = e.conversation_handle
+    JOIN broker.transmission_log t ON t.conversation_handle = e.conversation_handle
+                                  AND t.message_sequence_number = coalesce(p.acknowledged_sequence, 0) + 1
+    WHERE NOT e.far_is_local AND e.send_sequence > coalesce(p.acknowledged_sequence, 0)
+      AND NOT EXISTS (SELECT 1 FROM broker.transmission_retries r WHERE r.conversation_handle = e.conversation_handle)
+      AND EXISTS (SELECT 1 FROM broker.routes rt
+                  JOIN broker.transmission_cursors c ON c.address = rt.address
+                  WHERE rt.service_name = e.far_service
+                    AND e.conversation_handle BETWEEN c.first_handle AND c.last_handle
+                    AND t.position <= c.read_position)
+    ON CONFLICT (conversation_handle) DO NOTHING
+    RETURNING conversation_handle;
+$$;
+COMMENT ON FUNCTION broker.retry_passed_over() IS $$(relay) Puts in `transmission_retries` each conversation side
+whose first unacknowledged message lies at or below its relay lane's read position without waiting there, so that
+it is sent by number; returns their handles (none, unless the reading has a fault). A running relay calls it every
+minute.$$;
+GRANT EXECUTE ON FUNCTION broker.retry_passed_over() TO broker_relay;
+
 -- What a node of the release before revision 0037 left in
 -- broker.transmission_queue while it served a database migrated ahead of it
 -- goes to the transmission log, and its conversations are read by number
