@@ -35,7 +35,7 @@ TRANSPORT_FUNCTIONS = {"next_batch", "transport_batch", "apply_transport_results
                        "stage_batch", "accept_batch", "accept_transport_batch", "forget_closed_endpoints",
                        "forget_acknowledged_messages",
                        "withhold_what_peers_forgot", "fire_due_events", "count_unreported_rollbacks",
-                       "probe_conversation", "continue_queue_positions"}
+                       "probe_conversation", "continue_queue_positions", "retry_passed_over"}
 OUR_INSTANCE = "SELECT broker_instance FROM broker.node"
 EVERY_HANDLE = ("00000000-0000-0000-0000-000000000000", "ffffffff-ffff-ffff-ffff-ffffffffffff")
 
