@@ -80,6 +80,22 @@ def test_a_transaction_that_commits_after_later_batches_is_not_passed_over(shop_
     assert a.scalar(WAITING) == 0
 
 
+def test_a_transaction_younger_than_every_ended_one_is_not_passed_over(shop_and_warehouse):
+    """The open transaction takes its id and its log position while no transaction ends after it, so a snapshot
+    taken then reckons it among those still to come (its id is past the snapshot's xmax), not among those running;
+    batches read meanwhile, each ending a transaction younger than it, must still not move the cursor past it."""
+    a, b = shop_and_warehouse
+    [handle] = _begin(a, 1)
+    with a.engine.connect() as open_transaction:
+        broker.send(open_transaction, handle, "order.note", "positioned while the batches were read")
+        assert carry(a, b) is None
+        assert carry(a, b) is None
+        open_transaction.commit()
+    carry_all(a, b)
+    assert delivered(b) == ["positioned while the batches were read"]
+    assert a.scalar(WAITING) == 0
+
+
 def test_the_cursor_moves_past_what_was_acknowledged_once_no_transaction_can_write_below_it(shop_and_warehouse):
     a, b = shop_and_warehouse
     handles = _begin(a, 3)

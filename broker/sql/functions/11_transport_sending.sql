@@ -41,7 +41,21 @@ DECLARE
     seen pg_snapshot;
     held_back boolean;  -- conversations held back after a failure: seldom any, so each message is looked at only then
     retrying boolean;
+    bounded boolean;  -- whether this transaction takes its id after log_end is read (see below)
 BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made again for each
+    -- Where the log ends, then the transactions open.  A writer takes its id
+    -- before its position, so every transaction that took a position up to
+    -- log_end has an id below the one this transaction takes next, when it
+    -- has none yet: the cursor may move up to log_end once every transaction
+    -- of an id up to this one's has ended (the xmin of a later snapshot is
+    -- past it).  A snapshot's xmax alone does not bound them: it is one past
+    -- the latest transaction that ended, and an open transaction younger than
+    -- that is neither in the snapshot nor below its xmin.  Each statement sees
+    -- the database anew, so a transaction that took a position up to log_end
+    -- is seen by the reading once it has committed.
+    bounded := pg_current_xact_id_if_assigned() IS NULL;
+    log_end := (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM broker.transmission_log_position);
+    seen := pg_current_snapshot();
     PERFORM broker._drain_transmission_queue();
     IF EXISTS (SELECT 1 FROM broker.transmission_failures f
                WHERE f.address = destination AND f.next_attempt_at > now()
@@ -55,11 +69,6 @@ BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made 
     PERFORM set_config('broker.batch_cursor', json_build_object(
         'address', destination, 'first_handle', next_batch.first_handle, 'last_handle', next_batch.last_handle)::text,
         false);
-    -- Where the log ends, then the transactions open: each statement sees the
-    -- database anew, so a transaction that took a position up to log_end had
-    -- its id before the snapshot of the next statement was taken.
-    log_end := (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM broker.transmission_log_position);
-    seen := pg_current_snapshot();
     held_back := EXISTS (SELECT 1 FROM broker.transmission_failures f
                          WHERE f.address = destination AND f.next_attempt_at > now());
     retrying := EXISTS (SELECT 1 FROM broker.transmission_retries r
@@ -174,14 +183,14 @@ BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made 
             transmitted_sequence = greatest(p.transmitted_sequence, excluded.transmitted_sequence)
     ), moved AS (  -- where the cursor goes once the far node has answered (broker.apply_transport_results)
         UPDATE broker.transmission_cursors c
-        SET pending_read_position = CASE WHEN pg_snapshot_xmin(seen) >= lane.seen_xmax
+        SET pending_read_position = CASE WHEN pg_snapshot_xmin(seen) > lane.seen_xmax
                                          THEN greatest(lane.read_position,
                                                        least(lane.seen_position, (SELECT below FROM unread)))
                                          ELSE lane.read_position END,
-            pending_seen_position = CASE WHEN pg_snapshot_xmin(seen) >= lane.seen_xmax
+            pending_seen_position = CASE WHEN pg_snapshot_xmin(seen) > lane.seen_xmax AND bounded
                                          THEN log_end ELSE lane.seen_position END,
-            pending_seen_xmax = CASE WHEN pg_snapshot_xmin(seen) >= lane.seen_xmax
-                                     THEN pg_snapshot_xmax(seen) ELSE lane.seen_xmax END
+            pending_seen_xmax = CASE WHEN pg_snapshot_xmin(seen) > lane.seen_xmax AND bounded
+                                     THEN pg_current_xact_id() ELSE lane.seen_xmax END
         WHERE c.address = lane.address AND c.first_handle = lane.first_handle AND c.last_handle = lane.last_handle
     )
     SELECT b.conversation_id, b.is_initiator, b.from_service, b.to_service, b.contract, b.expires_at,

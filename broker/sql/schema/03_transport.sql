@@ -79,8 +79,9 @@ CREATE INDEX transmission_log_age ON broker.transmission_log USING brin (enqueue
 -- positions above it are read again, and what was acknowledged is passed
 -- over.  A batch read at a position the transactions still open then may
 -- write below (they take positions before they commit) moves read_position
--- only to where the log stood at an earlier batch (seen_position) whose open
--- transactions have all ended since (their ids are below seen_xmax).  The
+-- only to where the log stood at an earlier batch (seen_position) once every
+-- transaction that may have taken a position up to it has ended (their ids
+-- are at most seen_xmax, the id of the transaction that read that batch).  The
 -- answer to a batch moves the cursor (broker.apply_transport_results).
 CREATE TABLE broker.transmission_cursors (
     address        text NOT NULL,
