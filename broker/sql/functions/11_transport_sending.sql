@@ -42,6 +42,7 @@ DECLARE
     held_back boolean;  -- conversations held back after a failure: seldom any, so each message is looked at only then
     retrying boolean;
     bounded boolean;  -- whether this transaction takes its id after log_end is read (see below)
+    settled boolean;  -- whether every transaction that may have taken a position up to lane.seen_position ended
 BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made again for each
     -- Where the log ends, then the transactions open.  A writer takes its id
     -- before its position, so every transaction that took a position up to
@@ -66,6 +67,7 @@ BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made 
     VALUES (destination, next_batch.first_handle, next_batch.last_handle)
     ON CONFLICT ON CONSTRAINT transmission_cursors_pkey DO UPDATE SET address = c.address
     RETURNING * INTO lane;
+    settled := pg_snapshot_xmin(seen) > lane.seen_xmax;
     PERFORM set_config('broker.batch_cursor', json_build_object(
         'address', destination, 'first_handle', next_batch.first_handle, 'last_handle', next_batch.last_handle)::text,
         false);
@@ -183,14 +185,12 @@ BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made 
             transmitted_sequence = greatest(p.transmitted_sequence, excluded.transmitted_sequence)
     ), moved AS (  -- where the cursor goes once the far node has answered (broker.apply_transport_results)
         UPDATE broker.transmission_cursors c
-        SET pending_read_position = CASE WHEN pg_snapshot_xmin(seen) > lane.seen_xmax
+        SET pending_read_position = CASE WHEN settled
                                          THEN greatest(lane.read_position,
                                                        least(lane.seen_position, (SELECT below FROM unread)))
                                          ELSE lane.read_position END,
-            pending_seen_position = CASE WHEN pg_snapshot_xmin(seen) > lane.seen_xmax AND bounded
-                                         THEN log_end ELSE lane.seen_position END,
-            pending_seen_xmax = CASE WHEN pg_snapshot_xmin(seen) > lane.seen_xmax AND bounded
-                                     THEN pg_current_xact_id() ELSE lane.seen_xmax END
+            pending_seen_position = CASE WHEN settled AND bounded THEN log_end ELSE lane.seen_position END,
+            pending_seen_xmax = CASE WHEN settled AND bounded THEN pg_current_xact_id() ELSE lane.seen_xmax END
         WHERE c.address = lane.address AND c.first_handle = lane.first_handle AND c.last_handle = lane.last_handle
     )
     SELECT b.conversation_id, b.is_initiator, b.from_service, b.to_service, b.contract, b.expires_at,
