@@ -10,7 +10,8 @@
    write Parquet into a staging directory and, if the session still holds the
    lock, rename it into the dataset (its files on disk first).
 4. Advance the checkpoint (and with `consume`, delete the range) in one
-   transaction, on the session that holds the lock, which the advance checks.
+   transaction, on the session that holds the lock, which the advance checks;
+   then let the lock go, before the session closes.
 
 A crash before step 3's rename leaves only staging files, removed by the next
 run; a crash after it is step 2 of the next run.  A run whose lock's session
@@ -149,6 +150,7 @@ def ingest(spark, database_url: str, queue: str, output: str, *, partitions: int
             with lock.explaining_failures(), lock.transaction() as connection:
                 consumed = checkpoints.advance(connection, queue, dataset.uri, run.after_position,
                                                run.up_to_position, run.run_id, rows, consume)
+            lock.release()
     finally:
         engine.dispose()
     return IngestSummary(queue, dataset.uri, run, rows, len(plan), time.monotonic() - started, adopted, consumed)

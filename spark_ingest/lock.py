@@ -55,6 +55,11 @@ class RunLock:
                 raise IngestError(f"another ingest of queue {self._queue!r} into {self._output} is running")
             session.execute(queries.QUERIES["no_idle_session_timeout"])
 
+    def release(self) -> None:
+        """Lets the lock go on the session that holds it, at the end of a run (queries.sql: release_run_lock)."""
+        with self.transaction() as session:
+            session.execute(queries.QUERIES["release_run_lock"])
+
     def verify(self) -> None:
         """Raises IngestError unless this session still holds the lock."""
         if self._lost_because is None:

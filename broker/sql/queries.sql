@@ -465,6 +465,12 @@ LISTEN broker_queue;
 -- The messages above the checkpoint of (queue, output) and the age of the oldest in seconds.
 SELECT lag_messages, lag_s FROM broker.ingest_lag() WHERE queue_name = :queue AND output = :output;
 
+-- release_run_lock --
+-- An ingest run lets its lock go before its session closes: a closed session's server process lets go of it only
+-- as it exits, a moment later, and a follow's next round, started at once, would find the lock still held.  The
+-- session is the run's own, so it holds no other.
+SELECT pg_advisory_unlock_all();
+
 -- no_idle_session_timeout --
 -- The session waits while Spark writes: the server's idle_session_timeout must not end it (PostgreSQL 14+).
 SELECT set_config(name, '0', false) FROM pg_settings WHERE name = 'idle_session_timeout';

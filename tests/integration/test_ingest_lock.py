@@ -5,6 +5,7 @@ from sqlalchemy import text
 import broker
 from broker import queries
 from broker.errors import translated_errors
+from broker.spark_ingest.lock import RunLock
 from tests.factories import WAREHOUSE_QUEUE
 
 OUTPUTS = [f"file:/lake/{i}" for i in range(8)]  # lock keys of both signs
@@ -48,3 +49,14 @@ def test_a_lock_whose_session_ended_is_no_ones(engine, orders):
         assert not _call(late, "holds_ingest_lock", OUTPUTS[0])
         with pytest.raises(broker.LockLost):
             _advance(late, OUTPUTS[0])
+
+
+def test_a_run_lets_its_lock_go_before_its_session_closes(engine, orders):
+    """A follow's next round starts at once: it must not find the lock of the round before still held by a server
+    process that is only exiting."""
+    with engine.connect() as session, engine.connect() as next_round:
+        lock = RunLock(session, WAREHOUSE_QUEUE, OUTPUTS[0])
+        lock.acquire()
+        assert not _call(next_round, "try_lock_ingest", OUTPUTS[0])
+        lock.release()
+        assert _call(next_round, "try_lock_ingest", OUTPUTS[0])
