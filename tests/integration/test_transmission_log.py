@@ -6,7 +6,8 @@ from sqlalchemy import text
 
 import broker
 from tests import factories
-from tests.integration.test_agreement import carry, carry_all, shop_and_warehouse  # noqa: F401 (fixture)
+from tests.integration.test_agreement import (  # noqa: F401 (fixture)
+    FIRST_HANDLE, LAST_HANDLE, WAREHOUSE_ADDRESS, carry, carry_all, shop_and_warehouse)
 
 LOG_ROWS = "SELECT count(*) FROM broker.transmission_log"
 WAITING = "SELECT count(*) FROM broker.transmission_queue_status"
@@ -107,6 +108,28 @@ def test_the_cursor_moves_past_what_was_acknowledged_once_no_transaction_can_wri
     assert a.scalar("SELECT read_position FROM broker.transmission_cursors") == a.scalar(
         "SELECT max(position) FROM broker.transmission_log")
     assert len(delivered(b)) == 9
+
+
+def test_an_idle_lanes_poll_writes_nothing_and_the_next_message_is_read(shop_and_warehouse):
+    """A lane polls every second: once its cursor stands at the log's end it takes no transaction id (so writes no
+    WAL) until a message comes."""
+    a, b = shop_and_warehouse
+    [handle] = _begin(a, 1)
+    with a.engine.begin() as c:
+        broker.send(c, handle, "order.note", "before the lane fell idle")
+    carry_all(a, b)
+    assert carry(a, b) is None and carry(a, b) is None  # the cursor moves to the log's end
+    cursor_row = "SELECT xmin::text FROM broker.transmission_cursors"
+    written = a.scalar(cursor_row)
+    with a.engine.begin() as c:
+        assert c.execute(text("SELECT count(*) FROM broker.next_batch(:address, 1000, 8388608, :first, :last)"),
+                         {"address": WAREHOUSE_ADDRESS, "first": FIRST_HANDLE, "last": LAST_HANDLE}).scalar_one() == 0
+        assert c.execute(text("SELECT pg_current_xact_id_if_assigned()")).scalar_one() is None
+    assert a.scalar(cursor_row) == written
+    with a.engine.begin() as c:
+        broker.send(c, handle, "order.note", "after")
+    carry_all(a, b)
+    assert delivered(b) == ["before the lane fell idle", "after"]
 
 
 def test_a_message_the_reading_passed_over_is_found_and_sent_by_number(shop_and_warehouse):

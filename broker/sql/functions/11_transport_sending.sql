@@ -63,6 +63,19 @@ BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made 
                  AND f.first_handle <= next_batch.first_handle AND f.last_handle >= next_batch.last_handle) THEN
         RETURN;
     END IF;
+    retrying := EXISTS (SELECT 1 FROM broker.transmission_retries r
+                        JOIN broker.routes rt ON rt.service_name = r.to_service AND rt.address = destination);
+    -- A lane whose cursor stands at the log's end, with no batch unanswered and
+    -- no conversation of the destination waiting to be read by number, has
+    -- nothing to read or move: an idle lane's poll writes nothing (no
+    -- transaction id, no WAL).  Read without a lock, as nothing is changed.
+    SELECT * INTO lane FROM broker.transmission_cursors c
+    WHERE c.address = destination AND c.first_handle = next_batch.first_handle
+      AND c.last_handle = next_batch.last_handle;
+    IF NOT retrying AND lane.read_position = log_end AND lane.seen_position = log_end
+       AND lane.pending_read_position IS NULL THEN
+        RETURN;
+    END IF;
     INSERT INTO broker.transmission_cursors AS c (address, first_handle, last_handle)
     VALUES (destination, next_batch.first_handle, next_batch.last_handle)
     ON CONFLICT ON CONSTRAINT transmission_cursors_pkey DO UPDATE SET address = c.address
@@ -73,8 +86,6 @@ BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made 
         false);
     held_back := EXISTS (SELECT 1 FROM broker.transmission_failures f
                          WHERE f.address = destination AND f.next_attempt_at > now());
-    retrying := EXISTS (SELECT 1 FROM broker.transmission_retries r
-                        JOIN broker.routes rt ON rt.service_name = r.to_service AND rt.address = destination);
     -- The rows are carried by their place in the table (ctid) and the length
     -- of their bodies, and the bodies read once, for the rows that go.
     RETURN QUERY
