@@ -60,3 +60,17 @@ def test_a_run_lets_its_lock_go_before_its_session_closes(engine, orders):
         assert not _call(next_round, "try_lock_ingest", OUTPUTS[0])
         lock.release()
         assert _call(next_round, "try_lock_ingest", OUTPUTS[0])
+
+
+def test_a_run_whose_session_ended_after_its_checkpoint_still_ends_well(engine, orders):
+    """The run has committed when it lets its lock go: a session gone by then took the lock with it."""
+    with engine.connect() as session:
+        lock = RunLock(session, WAREHOUSE_QUEUE, OUTPUTS[0])
+        lock.acquire()
+        pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        session.commit()
+        with engine.connect() as admin:
+            assert admin.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid}).scalar_one()
+        lock.release()
+    with engine.connect() as next_run:
+        assert _call(next_run, "try_lock_ingest", OUTPUTS[0])
