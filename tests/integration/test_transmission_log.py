@@ -156,3 +156,26 @@ def test_a_message_the_reading_passed_over_is_found_and_sent_by_number(shop_and_
     assert carry(a, b) is not None
     assert delivered(b) == ["read in its turn", "behind the cursor"]
     assert a.scalar(WAITING) == 1  # the other side's retry is a day away
+
+
+def test_a_lanes_read_takes_what_lies_past_its_cursor_not_what_the_log_keeps(shop_and_warehouse):
+    """The reading is planned once, whatever the values: its plan must not read the log by the lane's range of
+    handles, which holds every message the log keeps of the lane's conversations."""
+    a, b = shop_and_warehouse
+    handles = _begin(a, 20)
+    for _ in range(100):
+        with a.engine.begin() as c:
+            broker.send_batch(c, handles, "order.note", ["kept for the resend window"] * len(handles))
+    carry_all(a, b)
+    with a.engine.begin() as c:
+        c.execute(text("ANALYZE broker.transmission_log"))  # as autovacuum does: the planner knows what the log keeps
+        broker.send(c, handles[0], "order.note", "the one message past the cursor")
+    with a.engine.begin() as c:
+        assert c.execute(text("SELECT count(*) FROM broker.next_batch(:address, 1000, 8388608, :first, :last)"),
+                         {"address": WAREHOUSE_ADDRESS, "first": FIRST_HANDLE, "last": LAST_HANDLE}).scalar_one() == 1
+        index_entries_read = c.execute(text(
+            "SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid)) FROM pg_index"
+            " WHERE indrelid = 'broker.transmission_log'::regclass")).scalar_one()
+        c.rollback()
+    assert a.scalar(LOG_ROWS) == 2001
+    assert index_entries_read < 100

@@ -31,10 +31,19 @@
 -- answered is kept in the session's setting broker.batch_cursor, for
 -- broker.apply_transport_results.  While a failure of the whole lane waits
 -- for its retry, nothing is read.
+--
+-- Its statements are planned once a session, whatever the values
+-- (plan_cache_mode): planned anew for each batch, the reading cost more to
+-- plan than to run a batch of a few messages.  So no condition leaves the
+-- plan to the values: the lane's handles are tested row by row (IS TRUE),
+-- never taken as a range of the log's primary key, which would read every
+-- message of the lane that the log retains.  Nor is a batch compiled (jit):
+-- compiling costs tens of milliseconds, more than the batch, and a
+-- misestimated cost can call for it.
 CREATE OR REPLACE FUNCTION broker.next_batch(destination text, max_messages integer, max_bytes bigint,
                                              first_handle uuid, last_handle uuid)
 RETURNS SETOF broker.wire_message
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET jit = off AS $$
 DECLARE
     lane broker.transmission_cursors;
     log_end bigint;
@@ -43,7 +52,7 @@ DECLARE
     retrying boolean;
     bounded boolean;  -- whether this transaction takes its id after log_end is read (see below)
     settled boolean;  -- whether every transaction that may have taken a position up to lane.seen_position ended
-BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made again for each
+BEGIN  -- plpgsql rather than sql: the plans are kept between batches
     -- Where the log ends, then the transactions open.  A writer takes its id
     -- before its position, so every transaction that took a position up to
     -- log_end has an id below the one this transaction takes next, when it
@@ -98,7 +107,7 @@ BEGIN  -- plpgsql rather than sql: the plans are kept between batches, not made 
                       LEFT JOIN broker.transmission_progress a ON a.conversation_handle = t.conversation_handle
                       WHERE t.to_service = r.service_name AND t.priority = p.priority
                         AND t.position > lane.read_position
-                        AND t.conversation_handle BETWEEN next_batch.first_handle AND next_batch.last_handle
+                        AND (t.conversation_handle BETWEEN next_batch.first_handle AND next_batch.last_handle) IS TRUE
                         AND t.message_sequence_number > coalesce(a.acknowledged_sequence, 0)
                         AND NOT (retrying AND EXISTS (SELECT 1 FROM broker.transmission_retries w
                                                       WHERE w.conversation_handle = t.conversation_handle))
@@ -324,7 +333,9 @@ GRANT EXECUTE ON FUNCTION broker._drain_transmission_queue() TO broker_relay;
 -- waiting for its WAL to reach the disk: if a crash loses it, the messages it
 -- acknowledged are sent again and the far node acknowledges them as
 -- duplicates (guarantee 3), so the relay need not wait for a flush in every
--- cycle.
+-- cycle.  Planned once a session and never compiled, as broker.next_batch is:
+-- its statements read the answer's conversations by key, whatever their
+-- number.
 --
 -- The answer is held to the batch it answers: the relay passes the highest
 -- number the batch carried of each conversation side it carried
@@ -355,7 +366,7 @@ GRANT EXECUTE ON FUNCTION broker._drain_transmission_queue() TO broker_relay;
 CREATE OR REPLACE FUNCTION broker.apply_transport_results(answer jsonb, sent_conversations uuid[],
                                                            sent_by_initiator boolean[], last_sent bigint[])
 RETURNS bigint
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET jit = off AS $$
 DECLARE
     handles uuid[];
     services text[];
