@@ -112,7 +112,14 @@ def select_from(executor: Executor, function: str, /, **arguments: Any) -> Resul
 
 def with_values(cursor, query: TextClause, values: Mapping[str, Any]) -> str:
     """The query with the values written in by psycopg2's cursor: for a COPY, which takes no parameters."""
-    return cursor.mogrify(str(query.compile(dialect=PGDialect_psycopg2())), values).decode()
+    return cursor.mogrify(_in_psycopg2_style(query), values).decode()
+
+
+@functools.cache
+def _in_psycopg2_style(query: TextClause) -> str:
+    """The query with its :names as psycopg2 takes them: compiled once, not for each batch a relay lane reads
+    (0.13 ms each)."""
+    return str(query.compile(dialect=PGDialect_psycopg2()))
 
 
 # --- Lookups that need more than their statement --------------------------------------------------
