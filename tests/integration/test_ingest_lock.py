@@ -22,6 +22,15 @@ def _advance(connection, output: str) -> int:
                      run="0-10", rows_ingested=0, consume=False)
 
 
+def _end_session(engine, session) -> None:
+    """Commits what the session did, then ends its server process from another session, as a restart or a cut
+    connection would."""
+    pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    session.commit()
+    with engine.connect() as admin:
+        assert admin.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid}).scalar_one()
+
+
 def test_only_the_session_holding_the_lock_advances_the_checkpoint(engine, orders):
     with engine.connect() as run, engine.connect() as other:
         for output in OUTPUTS:
@@ -40,10 +49,7 @@ def test_only_the_session_holding_the_lock_advances_the_checkpoint(engine, order
 def test_a_lock_whose_session_ended_is_no_ones(engine, orders):
     with engine.connect() as run:
         assert _call(run, "try_lock_ingest", OUTPUTS[0])
-        pid = run.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        run.commit()
-        with engine.connect() as admin:
-            assert admin.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid}).scalar_one()
+        _end_session(engine, run)
         run.invalidate()
     with engine.connect() as late:
         assert not _call(late, "holds_ingest_lock", OUTPUTS[0])
@@ -67,10 +73,7 @@ def test_a_run_whose_session_ended_after_its_checkpoint_still_ends_well(engine, 
     with engine.connect() as session:
         lock = RunLock(session, WAREHOUSE_QUEUE, OUTPUTS[0])
         lock.acquire()
-        pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        session.commit()
-        with engine.connect() as admin:
-            assert admin.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid}).scalar_one()
+        _end_session(engine, session)
         lock.release()
     with engine.connect() as next_run:
         assert _call(next_run, "try_lock_ingest", OUTPUTS[0])
