@@ -110,6 +110,14 @@ def select_from(executor: Executor, function: str, /, **arguments: Any) -> Resul
     return executor.execute(_statement(SELECT_FROM, function, tuple(arguments), ()), arguments)
 
 
+def array_literal(values: Iterable[str | int | bool]) -> str:
+    """The values as one PostgreSQL array literal ('{a,b,c}'), for an argument cast to their array type: values
+    that need no quoting (uuids, numbers, booleans).  PostgreSQL reads it as one constant, where a list that
+    psycopg2 writes out as ARRAY[...] is parsed element by element (three arrays of 400: 1.3 ms a call, against
+    0.3) and makes a statement of its own for each length (pg_stat_statements keeps an entry for each)."""
+    return "{" + ",".join(("t" if value else "f") if isinstance(value, bool) else str(value) for value in values) + "}"
+
+
 def with_values(cursor, query: TextClause, values: Mapping[str, Any]) -> str:
     """The query with the values written in by psycopg2's cursor: for a COPY, which takes no parameters."""
     return cursor.mogrify(_in_psycopg2_style(query), values).decode()

@@ -382,10 +382,11 @@ class Lane:
             with self.connection.begin():
                 delivered = queries.call(
                     self.connection, "apply_transport_results",
-                    casts={"answer": "jsonb", "sent_conversations": "uuid[]"}, answer=answer,
-                    sent_conversations=[conversation for conversation, _ in sides],
-                    sent_by_initiator=[by_initiator for _, by_initiator in sides],
-                    last_sent=list(sides.values())).scalar_one()
+                    casts={"answer": "jsonb", "sent_conversations": "uuid[]", "sent_by_initiator": "boolean[]",
+                           "last_sent": "bigint[]"}, answer=answer,
+                    sent_conversations=queries.array_literal(conversation for conversation, _ in sides),
+                    sent_by_initiator=queries.array_literal(by_initiator for _, by_initiator in sides),
+                    last_sent=queries.array_literal(sides.values())).scalar_one()
         except DataError as error:  # the results are not what a transport answer holds: nothing was applied
             raise TransportFailure(f"the answer from {destination.address} is malformed: "
                                    f"{str(error.orig).strip().splitlines()[0]}") from error

@@ -2,10 +2,12 @@
 _send around them) names a function of the broker's schema and only parameters it has: a call in named notation
 depends on the SQL function's own parameter names."""
 import ast
+import uuid
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
+from broker import queries
 from tests.syntax import syntax_tree
 
 ROOT = Path(__file__).parents[2]
@@ -58,3 +60,22 @@ def test_each_call_by_name_names_a_function_and_its_parameters(shared_database_u
         assert function in functions, f"{where}: no function broker.{function}"
         assert any(arguments <= inputs for inputs in functions[function]), (
             f"{where}: broker.{function} has no parameters named {sorted(arguments)}")
+
+
+def test_an_array_literal_reads_back_as_the_values_it_was_made_of(shared_database_url):
+    """broker.queries.array_literal, cast as broker.relay passes the sides of a batch to
+    broker.apply_transport_results: the same uuids, booleans and numbers, in order, as the lists themselves."""
+    sides = {(uuid.uuid4().hex, is_initiator): number
+             for number, is_initiator in zip((1, 7, 2**40), (True, False, True))}
+    engine = create_engine(shared_database_url)
+    try:
+        with engine.connect() as connection:
+            read_back = connection.execute(text(
+                "SELECT CAST(:conversations AS uuid[]), CAST(:by_initiator AS boolean[]), CAST(:numbers AS bigint[])"
+            ), {"conversations": queries.array_literal(conversation for conversation, _ in sides),
+                "by_initiator": queries.array_literal(by_initiator for _, by_initiator in sides),
+                "numbers": queries.array_literal(sides.values())}).one()
+    finally:
+        engine.dispose()
+    assert read_back == ([uuid.UUID(conversation) for conversation, _ in sides],
+                         [by_initiator for _, by_initiator in sides], list(sides.values()))
