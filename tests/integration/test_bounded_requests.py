@@ -90,6 +90,34 @@ def test_a_large_body_without_a_key_costs_the_node_nothing(node):
     assert httpx.get(f"{node.address}/healthz", timeout=5).status_code == 200
 
 
+@pytest.mark.parametrize("request_line", [b"GET /healthz HTTP/1.1\r\n", b"GET /" + b"a" * 64 * 1024])
+def test_a_head_over_16_kib_is_refused_before_the_node_keeps_more_of_it(node, request_line):
+    """A header that never ends, or a request line as long, sent a KiB at a time: answered 400 and closed once
+    the head is past 16 KiB, long before the client has sent all it would."""
+    before = _peak_memory_bytes(node)
+    address = urlsplit(node.address)
+    with socket.create_connection((address.hostname, address.port), timeout=10) as connection:
+        connection.sendall(request_line + b"X-Padding: ")
+        sent = len(request_line)
+        try:
+            while sent < 8 * MIB:
+                connection.sendall(b"p" * 1024)
+                sent += 1024
+                time.sleep(0.001 if sent % (64 * 1024) else 0.05)
+        except OSError:  # closed by the node
+            pass
+        answer = b""
+        try:
+            while chunk := connection.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    assert sent < MIB, f"the node took {sent} bytes of a head"
+    assert answer.startswith(b"HTTP/1.1 400") and b"over 16384 bytes" in answer, answer[:300]
+    assert _peak_memory_bytes(node) - before < 16 * MIB
+    assert httpx.get(f"{node.address}/healthz", timeout=5).status_code == 200
+
+
 @pytest.mark.parametrize("body,limit", [
     (b'{"message_type": "order.note", "body": ' + b"[" * 64 + b"]" * 64 + b"}", "at most 64"),
     (b'{"message_type": "order.note", "body": [' + b"{}," * (8 * MIB // 3) + b"{}]}", "at most 100000"),
