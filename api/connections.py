@@ -3,7 +3,7 @@ line and headers) at any rate is disconnected within the head's deadline instead
 as it likes, and a head larger than MAX_HEAD_BYTES is refused before more of it is kept.  The body of a request let
 in is timed by api.limits; a request not let in has no body read (api.admission, api.main.body_limit).
 
-The protocol is uvicorn's on httptools (llhttp, in C): it reads a batch's body with a quarter less CPU than
+The protocol is uvicorn's on httptools (llhttp, in C): it reads a batch's body with a fifth less CPU than
 uvicorn's pure-Python h11 one, and a small request in less time.  llhttp keeps a head whatever its size, so the
 bytes a head takes are counted here."""
 import functools
