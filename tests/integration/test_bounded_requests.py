@@ -119,6 +119,23 @@ def test_a_head_over_16_kib_is_refused_before_the_node_keeps_more_of_it(node, re
     assert httpx.get(f"{node.address}/healthz", timeout=5).status_code == 200
 
 
+@pytest.mark.parametrize("padding", [16 * 1024, 200 * 1024], ids=["17 KiB", "201 KiB"])
+def test_a_head_over_16_kib_sent_in_one_write_is_refused(node, padding):
+    """The whole head at once, just past 16 KiB and far past it: answered 400 saying why, as one sent a KiB at a
+    time is, and the node goes on serving."""
+    address = urlsplit(node.address)
+    with socket.create_connection((address.hostname, address.port), timeout=10) as connection:
+        connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: node\r\nX-Padding: " + b"p" * padding + b"\r\n\r\n")
+        answer = b""
+        try:
+            while chunk := connection.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    assert answer.startswith(b"HTTP/1.1 400") and b"over 16384 bytes" in answer, answer[:300]
+    assert httpx.get(f"{node.address}/healthz", headers={"X-Padding": "p" * 15 * 1024}, timeout=5).status_code == 200
+
+
 @pytest.mark.parametrize("body,limit", [
     (b'{"message_type": "order.note", "body": ' + b"[" * 64 + b"]" * 64 + b"}", "at most 64"),
     (b'{"message_type": "order.note", "body": [' + b"{}," * (8 * MIB // 3) + b"{}]}", "at most 100000"),
