@@ -419,16 +419,20 @@ GRANT EXECUTE ON FUNCTION broker._open_batch_conversations(uuid,integer) TO brok
 
 -- The steady state of a batch in a few statements: the batch's conversations
 -- that are new here, or whose endpoint talks with the sending node, reads, and
--- has its queue enabled, when every message that comes next is plain.  The
--- batch is in pg_temp.incoming_batch.  Returns their results; the
--- caller takes the others (refused, carrying system messages, ...) one by one.
--- Conversations with a broker.error among their new messages are left to the
--- careful way, which accepts an error across the numbers its sender dropped
--- (see broker._accept_messages), and so are those whose messages do not begin
--- right after what this side holds: past a gap, which it records, or at a
--- number it holds already, which it takes only when the batch is anchored to
--- what it holds (broker._anchored).  Numbers recorded missing that arrive are
--- recorded resent (broker.lost_messages).
+-- has its queue enabled, when their messages in the batch are exactly the
+-- numbers that come next, each once, and all plain.  That is judged by ranges,
+-- one row a conversation: the lowest number right after what this side holds,
+-- as many messages as numbers from the lowest to the highest, every one a
+-- plain type of its contract within the size limit.  The batch is in
+-- pg_temp.incoming_batch.  Returns their results; the caller takes the others
+-- one by one: a broker.error among the messages (it is no plain type; the
+-- careful way accepts it across the numbers its sender dropped, see
+-- broker._accept_messages), messages that do not begin right after what this
+-- side holds (past a gap, which the careful way records, or at a number it
+-- holds already, taken only when the batch is anchored to what it holds, see
+-- broker._anchored), a number twice or a gap within the batch, and a type
+-- that needs validation.  Numbers recorded missing that arrive are recorded
+-- resent (broker.lost_messages).
 CREATE OR REPLACE FUNCTION broker._accept_in_bulk(from_instance uuid) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -436,7 +440,6 @@ DECLARE
     taken broker._batch_conversation[];
     results jsonb;
     queues integer[];
-    careful uuid[];
 BEGIN
     taken := broker._lock_batch_conversations(from_instance);
     IF EXISTS (SELECT b.conversation_id FROM pg_temp.incoming_batch b WHERE b.sender_is_initiator
@@ -447,61 +450,53 @@ BEGIN
     IF taken IS NULL THEN
         RETURN '[]';
     END IF;
-    -- Conversations with a broker.error among their messages go the careful
-    -- way, even when the error lies beyond a gap: it may skip the numbers its
-    -- sender dropped (see broker._transmit_error).  So do those whose messages
-    -- do not begin right after what this side holds.
-    SELECT coalesce(array_agg(c.conversation_handle), '{}') INTO careful
-    FROM (SELECT t.conversation_handle
-          FROM unnest(taken) t
-          JOIN pg_temp.incoming_batch b
-            ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
-          GROUP BY t.conversation_handle, t.receive_sequence
-          HAVING bool_or(b.message_type = 'broker.error') OR min(b.sequence_number) <> t.receive_sequence + 1) c;
-
-    -- Each conversation's run of numbers after receive_sequence without a gap;
-    -- a conversation is taken here only when all of its run is plain.
-    WITH fresh AS (
-        SELECT DISTINCT ON (t.conversation_handle, b.sequence_number)
-               t.*, b.sequence_number, b.message_id, b.message_type, b.body, b.traceparent
+    WITH plain_types AS MATERIALIZED (  -- the few of the batch's contracts, read once, not probed for each message
+        SELECT p.* FROM broker._plain_message_types p
+        WHERE p.contract_id IN (SELECT t.contract_id FROM unnest(taken) t)
+    ), sides AS MATERIALIZED (  -- each conversation side of the batch that is taken: its range of numbers
+        SELECT t.conversation_handle, t.conversation_id, t.is_initiator, t.receive_sequence, t.queue_id,
+               t.conversation_group_id, t.priority, t.received_message_id,
+               min(b.sequence_number) AS first_number, max(b.sequence_number) AS last_number, count(*) AS messages,
+               bool_and(p.name IS NOT NULL AND coalesce(octet_length(b.body), 0) <= limit_bytes) AS plain
         FROM unnest(taken) t
         JOIN pg_temp.incoming_batch b
           ON b.conversation_id = t.conversation_id AND b.sender_is_initiator = NOT t.is_initiator
-        WHERE b.sequence_number > t.receive_sequence
-        ORDER BY t.conversation_handle, b.sequence_number, b.ctid  -- of a number repeated, the first in the batch
-    ), next_run AS (
-        SELECT f.*, row_number() OVER (PARTITION BY f.conversation_handle ORDER BY f.sequence_number) AS k
-        FROM fresh f
-    ), plain_types AS MATERIALIZED (  -- the few of the batch's contracts, read once, not probed for each message
-        SELECT p.* FROM broker._plain_message_types p
-        WHERE p.contract_id IN (SELECT t.contract_id FROM unnest(taken) t)
-    ), judged AS (
-        SELECT r.*, p.message_type_id,
-               bool_and(p.name IS NOT NULL AND coalesce(octet_length(r.body), 0) <= limit_bytes)
-                   OVER (PARTITION BY r.conversation_handle) AS plain
-        FROM next_run r
         LEFT JOIN plain_types p
-               ON p.contract_id = r.contract_id AND p.sent_by_initiator = NOT r.is_initiator
-              AND p.name = r.message_type
-        WHERE r.sequence_number = r.receive_sequence + r.k
-    ), accepted AS (
-        SELECT j.*, row_number() OVER (ORDER BY j.conversation_handle, j.sequence_number) AS place
-        FROM judged j WHERE j.plain AND j.conversation_handle <> ALL (careful)
+               ON p.contract_id = t.contract_id AND p.sent_by_initiator = NOT t.is_initiator AND p.name = b.message_type
+        GROUP BY t.conversation_handle, t.conversation_id, t.is_initiator, t.receive_sequence, t.queue_id,
+                 t.conversation_group_id, t.priority, t.received_message_id
+    ), distinct_numbers AS (  -- how many numbers each side of the batch has, however often each comes
+        SELECT d.conversation_id, d.sender_is_initiator, count(*) AS numbers
+        FROM (SELECT DISTINCT b.conversation_id, b.sender_is_initiator, b.sequence_number
+              FROM pg_temp.incoming_batch b) d
+        GROUP BY d.conversation_id, d.sender_is_initiator
+    ), fitting AS MATERIALIZED (  -- exactly the numbers that come next, each once, all plain
+        SELECT s.* FROM sides s
+        JOIN distinct_numbers n ON n.conversation_id = s.conversation_id AND n.sender_is_initiator = NOT s.is_initiator
+        WHERE s.plain AND s.first_number = s.receive_sequence + 1
+          AND s.last_number - s.first_number + 1 = s.messages AND n.numbers = s.messages
+    ), accepted AS MATERIALIZED (
+        SELECT f.queue_id, f.conversation_group_id, f.conversation_handle, f.conversation_id, f.priority,
+               f.last_number, b.sequence_number, b.message_id, b.message_type, b.body, b.traceparent,
+               row_number() OVER (ORDER BY f.conversation_handle, b.sequence_number) AS place
+        FROM fitting f
+        JOIN pg_temp.incoming_batch b
+          ON b.conversation_id = f.conversation_id AND b.sender_is_initiator = NOT f.is_initiator
     ), stored AS (
         INSERT INTO broker.queue_messages (queue_id, queue_position, conversation_group_id, conversation_handle,
                                            conversation_id, message_sequence_number, message_type_id, body, priority,
                                            traceparent)
         SELECT a.queue_id, (SELECT broker._next_queue_positions(count(*)::integer) FROM accepted) + a.place - 1,
                a.conversation_group_id, a.conversation_handle, a.conversation_id, a.sequence_number,
-               a.message_type_id, a.body, a.priority, a.traceparent
+               t.message_type_id, a.body, a.priority, a.traceparent
         FROM accepted a
+        JOIN broker.message_types t ON t.name = a.message_type
         RETURNING queue_id
     ), moved_on AS (
-        UPDATE broker.endpoints e SET receive_sequence = last.sequence_number, received_message_id = last.message_id
-        FROM (SELECT DISTINCT ON (a.conversation_handle) a.conversation_handle, a.sequence_number, a.message_id
-              FROM accepted a ORDER BY a.conversation_handle, a.sequence_number DESC) last
-        WHERE e.conversation_handle = last.conversation_handle
-        RETURNING e.conversation_handle, e.conversation_id, e.is_initiator, e.receive_sequence
+        UPDATE broker.endpoints e SET receive_sequence = a.sequence_number, received_message_id = a.message_id
+        FROM accepted a
+        WHERE e.conversation_handle = a.conversation_handle AND a.sequence_number = a.last_number
+        RETURNING e.conversation_id, e.is_initiator, e.receive_sequence
     ), resent AS (
         UPDATE broker.lost_messages l SET outcome = 'resent'
         FROM moved_on m
@@ -509,15 +504,12 @@ BEGIN
           AND l.direction = 'received' AND l.last_number <= m.receive_sequence
     )
     SELECT coalesce(jsonb_agg(jsonb_strip_nulls(jsonb_build_object(
-               'conversation_id', t.conversation_id, 'sender_is_initiator', NOT t.is_initiator,
-               'acknowledged', coalesce(m.receive_sequence, t.receive_sequence), 'held', t.receive_sequence,
-               'held_message_id', t.received_message_id))), '[]'),
+               'conversation_id', f.conversation_id, 'sender_is_initiator', NOT f.is_initiator,
+               'acknowledged', f.last_number, 'held', f.receive_sequence,
+               'held_message_id', f.received_message_id))), '[]'),
            (SELECT array_agg(DISTINCT queue_id) FROM stored)
     INTO results, queues
-    FROM unnest(taken) t
-    LEFT JOIN moved_on m ON m.conversation_handle = t.conversation_handle
-    WHERE NOT EXISTS (SELECT 1 FROM judged j WHERE j.conversation_handle = t.conversation_handle AND NOT j.plain)
-      AND t.conversation_handle <> ALL (careful);
+    FROM fitting f;
     PERFORM pg_notify('broker_queue', q::text) FROM unnest(queues) q;
     RETURN results;
 END $$;
