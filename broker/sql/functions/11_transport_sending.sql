@@ -38,12 +38,12 @@
 -- plan to the values: the lane's handles are tested row by row (IS TRUE),
 -- never taken as a range of the log's primary key, which would read every
 -- message of the lane that the log retains; and what the far node
--- acknowledged of a message's conversation is looked up by its key for each
--- message read (a scalar subquery), which a join would leave to the plan: one
--- kept for the session was seen to scan every conversation's progress for
--- each message, doubling the reading's cost.  Nor is a batch compiled (jit):
--- compiling costs tens of milliseconds, more than the batch, and a
--- misestimated cost can call for it.
+-- acknowledged of a conversation is looked up by its key for each message or
+-- conversation read (a scalar subquery), which a join would leave to the
+-- plan: one kept for the session was seen to scan every conversation's
+-- progress for each message, doubling the reading's cost.  Nor is a batch
+-- compiled (jit): compiling costs tens of milliseconds, more than the batch,
+-- and a misestimated cost can call for it.
 CREATE OR REPLACE FUNCTION broker.next_batch(destination text, max_messages integer, max_bytes bigint,
                                              first_handle uuid, last_handle uuid)
 RETURNS SETOF broker.wire_message
@@ -136,10 +136,11 @@ BEGIN  -- plpgsql rather than sql: the plans are kept between batches
         SELECT h.conversation_handle, h.to_service, h.priority, h.held_until FROM holds h
         ON CONFLICT (conversation_handle) DO NOTHING
     ), due AS (  -- the conversations of transmission_retries whose time has come
-        SELECT r.*, coalesce(r.first_number, coalesce(a.acknowledged_sequence, 0) + 1) AS from_number
+        SELECT r.*, coalesce(r.first_number,
+                             coalesce((SELECT a.acknowledged_sequence FROM broker.transmission_progress a
+                                       WHERE a.conversation_handle = r.conversation_handle), 0) + 1) AS from_number
         FROM broker.transmission_retries r
         JOIN broker.routes rt ON rt.service_name = r.to_service AND rt.address = destination
-        LEFT JOIN broker.transmission_progress a ON a.conversation_handle = r.conversation_handle
         WHERE retrying AND r.next_attempt_at <= now()
           AND r.conversation_handle BETWEEN next_batch.first_handle AND next_batch.last_handle
           AND NOT (held_back AND EXISTS (SELECT 1 FROM broker.transmission_failures x
