@@ -448,35 +448,40 @@ BEGIN
     SET tombstone_retention = excluded.tombstone_retention, learned_at = excluded.learned_at
     WHERE p.tombstone_retention <> excluded.tombstone_retention;
 
-    FOR result IN  -- seldom any
-        SELECT e.conversation_handle, a.acknowledged AS reported,
-               coalesce(a.held, CASE WHEN a.waiting IS NOT NULL THEN a.acknowledged END) AS held,
-               p.previously_transmitted, p.answered_sequence, p.acknowledged_sequence, e.send_sequence
-        FROM broker.endpoints e
-        JOIN broker.transmission_progress p ON p.conversation_handle = e.conversation_handle
-        JOIN jsonb_to_recordset(answer -> 'results') AS a(conversation_id uuid, sender_is_initiator boolean,
-                                                            acknowledged bigint, held bigint, waiting text)
-          ON a.conversation_id = e.conversation_id AND a.sender_is_initiator = e.is_initiator
-        WHERE e.conversation_handle = ANY (went_back_here_or_there)
-    LOOP
-        IF result.reported < result.acknowledged_sequence THEN
-            far_node_lost := true;
-            went_back := went_back || result.conversation_handle;
-            IF broker._send_again(result.conversation_handle, result.reported, result.acknowledged_sequence) THEN
-                sent_again := sent_again || result.conversation_handle;
+    -- Seldom any: the statement is not run for nothing, as its plan, kept for
+    -- the session, may read every endpoint whatever the handles.
+    IF went_back_here_or_there IS NOT NULL THEN
+        FOR result IN
+            SELECT e.conversation_handle, a.acknowledged AS reported,
+                   coalesce(a.held, CASE WHEN a.waiting IS NOT NULL THEN a.acknowledged END) AS held,
+                   p.previously_transmitted, p.answered_sequence, p.acknowledged_sequence, e.send_sequence
+            FROM broker.endpoints e
+            JOIN broker.transmission_progress p ON p.conversation_handle = e.conversation_handle
+            JOIN jsonb_to_recordset(answer -> 'results') AS a(conversation_id uuid, sender_is_initiator boolean,
+                                                                acknowledged bigint, held bigint, waiting text)
+              ON a.conversation_id = e.conversation_id AND a.sender_is_initiator = e.is_initiator
+            WHERE e.conversation_handle = ANY (went_back_here_or_there)
+        LOOP
+            IF result.reported < result.acknowledged_sequence THEN
+                far_node_lost := true;
+                went_back := went_back || result.conversation_handle;
+                IF broker._send_again(result.conversation_handle, result.reported, result.acknowledged_sequence) THEN
+                    sent_again := sent_again || result.conversation_handle;
+                END IF;
+            ELSIF result.held < result.acknowledged_sequence AND result.held <= result.previously_transmitted
+                  AND result.reported <= result.send_sequence THEN
+                -- It lost numbers it had acknowledged, and took them again from this batch.
+                far_node_lost := true;
+                PERFORM broker._record_lost_messages(e, 'sent', result.held + 1, result.acknowledged_sequence, 'resent')
+                FROM broker.endpoints e WHERE e.conversation_handle = result.conversation_handle;
+            ELSE  -- what the far node holds past answered_sequence may be of this side's numbering before it went back
+                went_back := went_back || result.conversation_handle;
+                PERFORM broker._number_past(
+                    result.conversation_handle, greatest(result.reported, result.held),
+                    least(result.answered_sequence, greatest(result.reported, result.held) - 1));
             END IF;
-        ELSIF result.held < result.acknowledged_sequence AND result.held <= result.previously_transmitted
-              AND result.reported <= result.send_sequence THEN
-            -- It lost numbers it had acknowledged, and took them again from this batch.
-            far_node_lost := true;
-            PERFORM broker._record_lost_messages(e, 'sent', result.held + 1, result.acknowledged_sequence, 'resent')
-            FROM broker.endpoints e WHERE e.conversation_handle = result.conversation_handle;
-        ELSE  -- what the far node holds past answered_sequence may be of this side's numbering before it went back
-            went_back := went_back || result.conversation_handle;
-            PERFORM broker._number_past(result.conversation_handle, greatest(result.reported, result.held),
-                                        least(result.answered_sequence, greatest(result.reported, result.held) - 1));
-        END IF;
-    END LOOP;
+        END LOOP;
+    END IF;
     IF far_node_lost THEN
         PERFORM broker._probe_far_node(e.far_broker_instance)
         FROM broker.endpoints e WHERE e.conversation_handle = handles[1];
