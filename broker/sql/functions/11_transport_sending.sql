@@ -383,6 +383,8 @@ DECLARE
     holds text[];
     carried bigint[];
     went_back_here_or_there uuid[];
+    not_taken boolean;  -- whether the far node held back or did not take some of what it was sent
+    any_refused boolean;
     result record;
     went_back uuid[] := '{}';
     sent_again uuid[] := '{}';
@@ -417,6 +419,8 @@ BEGIN
            array_agg(CASE WHEN a.refused IS NOT NULL
                           THEN coalesce(a.refused ->> 'reason', 'no reason given') END),
            array_agg(a.waiting), array_agg(a.last_sent),
+           coalesce(bool_or(a.waiting IS NOT NULL OR coalesce(a.reported, 0) < a.last_sent), false),
+           coalesce(bool_or(a.refused IS NOT NULL), false),
            array_agg(a.conversation_handle) FILTER (WHERE
                a.reported < a.acknowledged_sequence OR a.held > a.previously_transmitted
                OR a.reported > a.send_sequence
@@ -426,8 +430,8 @@ BEGIN
                                WHERE t.conversation_handle = a.conversation_handle
                                  AND t.message_sequence_number = a.held
                                  AND t.message_id IS DISTINCT FROM a.held_message_id)))
-    INTO handles, services, priorities, acknowledged, acknowledged_before, refusals, holds, carried,
-         went_back_here_or_there
+    INTO handles, services, priorities, acknowledged, acknowledged_before, refusals, holds, carried, not_taken,
+         any_refused, went_back_here_or_there
     FROM answered_sides a;
     -- A side the answer says nothing of is sent again, by number.
     IF coalesce(cardinality(handles), 0) < cardinality(sent_conversations) THEN
@@ -498,10 +502,12 @@ BEGIN
                   FROM unnest(handles, acknowledged, acknowledged_before) AS a(conversation_handle, acknowledged, before)
                   WHERE a.conversation_handle <> ALL (went_back));
     -- The far node answered for these: earlier failures no longer apply.
-    DELETE FROM broker.transmission_failures f
-    WHERE f.next_attempt_at <= now()
-      AND f.address IN (SELECT r.address FROM broker.routes r WHERE r.service_name = ANY (services))
-      AND EXISTS (SELECT 1 FROM unnest(handles) h WHERE h BETWEEN f.first_handle AND f.last_handle);
+    IF EXISTS (SELECT 1 FROM broker.transmission_failures) THEN
+        DELETE FROM broker.transmission_failures f
+        WHERE f.next_attempt_at <= now()
+          AND f.address IN (SELECT r.address FROM broker.routes r WHERE r.service_name = ANY (services))
+          AND EXISTS (SELECT 1 FROM unnest(handles) h WHERE h BETWEEN f.first_handle AND f.last_handle);
+    END IF;
 
     -- What the far node did not take of the batch is read by number from now
     -- on: the cursor moves past it.  A side held back is tried again after a
@@ -509,44 +515,52 @@ BEGIN
     -- to a minute.  A side that took all it was sent goes on by number while
     -- it waits in transmission_retries, and leaves them once the log holds
     -- nothing more of it.
-    INSERT INTO broker.transmission_retries AS r (conversation_handle, to_service, priority, next_attempt_at,
-                                                  attempts, reason)
-    SELECT a.conversation_handle, a.to_service, a.priority,
-           now() + CASE WHEN a.waiting IS NOT NULL THEN interval '250 milliseconds' ELSE interval '0' END,
-           CASE WHEN a.waiting IS NOT NULL THEN 1 ELSE 0 END, 'the far node holds it back: ' || a.waiting
-    FROM unnest(handles, services, priorities, acknowledged, carried, refusals, holds)
-         AS a(conversation_handle, to_service, priority, acknowledged, carried, refused, waiting)
-    WHERE a.refused IS NULL AND a.conversation_handle <> ALL (sent_again)
-      AND (a.waiting IS NOT NULL OR a.acknowledged < a.carried OR a.conversation_handle = ANY (went_back))
-    ON CONFLICT (conversation_handle) DO UPDATE
-    SET next_attempt_at = CASE WHEN excluded.reason IS NULL THEN now()
-                               ELSE now() + least(interval '60 seconds', interval '250 milliseconds' * 2 ^ r.attempts) END,
-        attempts = CASE WHEN excluded.reason IS NULL THEN 0 ELSE r.attempts + 1 END,
-        reason = excluded.reason, first_number = NULL;
-    WITH settled AS (
-        SELECT a.conversation_handle,
-               EXISTS (SELECT 1 FROM broker.transmission_log t
-                       WHERE t.conversation_handle = a.conversation_handle
-                         AND t.message_sequence_number > a.acknowledged) AS more
-        FROM unnest(handles, acknowledged, carried, refusals, holds)
-             AS a(conversation_handle, acknowledged, carried, refused, waiting)
-        JOIN broker.transmission_retries r ON r.conversation_handle = a.conversation_handle
-        WHERE a.refused IS NULL AND a.waiting IS NULL AND a.acknowledged >= a.carried
-          AND a.conversation_handle <> ALL (went_back)
-    ), going_on AS (
-        UPDATE broker.transmission_retries r
-        SET next_attempt_at = now(), attempts = 0, reason = NULL, first_number = NULL
-        FROM settled s WHERE r.conversation_handle = s.conversation_handle AND s.more
-    )
-    DELETE FROM broker.transmission_retries r
-    USING settled s WHERE r.conversation_handle = s.conversation_handle AND NOT s.more;
+    -- In the steady state none of these has anything to do: each runs only when it may.
+    IF not_taken OR went_back <> '{}' THEN
+        INSERT INTO broker.transmission_retries AS r (conversation_handle, to_service, priority, next_attempt_at,
+                                                      attempts, reason)
+        SELECT a.conversation_handle, a.to_service, a.priority,
+               now() + CASE WHEN a.waiting IS NOT NULL THEN interval '250 milliseconds' ELSE interval '0' END,
+               CASE WHEN a.waiting IS NOT NULL THEN 1 ELSE 0 END, 'the far node holds it back: ' || a.waiting
+        FROM unnest(handles, services, priorities, acknowledged, carried, refusals, holds)
+             AS a(conversation_handle, to_service, priority, acknowledged, carried, refused, waiting)
+        WHERE a.refused IS NULL AND a.conversation_handle <> ALL (sent_again)
+          AND (a.waiting IS NOT NULL OR a.acknowledged < a.carried OR a.conversation_handle = ANY (went_back))
+        ON CONFLICT (conversation_handle) DO UPDATE
+        SET next_attempt_at = CASE WHEN excluded.reason IS NULL THEN now()
+                                   ELSE now() + least(interval '60 seconds',
+                                                      interval '250 milliseconds' * 2 ^ r.attempts) END,
+            attempts = CASE WHEN excluded.reason IS NULL THEN 0 ELSE r.attempts + 1 END,
+            reason = excluded.reason, first_number = NULL;
+    END IF;
+    IF EXISTS (SELECT 1 FROM broker.transmission_retries) THEN
+        WITH settled AS (
+            SELECT a.conversation_handle,
+                   EXISTS (SELECT 1 FROM broker.transmission_log t
+                           WHERE t.conversation_handle = a.conversation_handle
+                             AND t.message_sequence_number > a.acknowledged) AS more
+            FROM unnest(handles, acknowledged, carried, refusals, holds)
+                 AS a(conversation_handle, acknowledged, carried, refused, waiting)
+            JOIN broker.transmission_retries r ON r.conversation_handle = a.conversation_handle
+            WHERE a.refused IS NULL AND a.waiting IS NULL AND a.acknowledged >= a.carried
+              AND a.conversation_handle <> ALL (went_back)
+        ), going_on AS (
+            UPDATE broker.transmission_retries r
+            SET next_attempt_at = now(), attempts = 0, reason = NULL, first_number = NULL
+            FROM settled s WHERE r.conversation_handle = s.conversation_handle AND s.more
+        )
+        DELETE FROM broker.transmission_retries r
+        USING settled s WHERE r.conversation_handle = s.conversation_handle AND NOT s.more;
+    END IF;
 
-    FOR result IN
-        SELECT * FROM unnest(handles, refusals) AS a(conversation_handle, refused)
-        WHERE a.refused IS NOT NULL AND a.conversation_handle <> ALL (sent_again)
-    LOOP
-        PERFORM broker._refused_by_far_side(broker._lock_endpoint(result.conversation_handle), result.refused);
-    END LOOP;
+    IF any_refused THEN
+        FOR result IN
+            SELECT * FROM unnest(handles, refusals) AS a(conversation_handle, refused)
+            WHERE a.refused IS NOT NULL AND a.conversation_handle <> ALL (sent_again)
+        LOOP
+            PERFORM broker._refused_by_far_side(broker._lock_endpoint(result.conversation_handle), result.refused);
+        END LOOP;
+    END IF;
     IF delivered > 0 THEN  -- an endpoint closed while its last messages waited can be forgotten now
         PERFORM broker.forget_closed_endpoints(4);
     END IF;
