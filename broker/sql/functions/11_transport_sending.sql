@@ -444,13 +444,20 @@ BEGIN
         ON CONFLICT (conversation_handle) DO UPDATE SET next_attempt_at = now(), first_number = NULL;
     END IF;
 
-    INSERT INTO broker.peer_retention AS p (broker_instance, tombstone_retention)
-    SELECT e.far_broker_instance, make_interval(secs => (answer ->> 'tombstone_retention_s')::float8)
-    FROM broker.endpoints e
-    WHERE e.conversation_handle = handles[1] AND answer ? 'tombstone_retention_s'
-    ON CONFLICT (broker_instance) DO UPDATE
-    SET tombstone_retention = excluded.tombstone_retention, learned_at = excluded.learned_at
-    WHERE p.tombstone_retention <> excluded.tombstone_retention;
+    -- The far node's retention, when it tells one this node does not hold yet:
+    -- looked at first, as the upsert would lock the row it holds at every answer.
+    IF answer ? 'tombstone_retention_s' AND NOT EXISTS (
+        SELECT 1 FROM broker.peer_retention p JOIN broker.endpoints e ON e.far_broker_instance = p.broker_instance
+        WHERE e.conversation_handle = handles[1]
+          AND p.tombstone_retention = make_interval(secs => (answer ->> 'tombstone_retention_s')::float8)) THEN
+        INSERT INTO broker.peer_retention AS p (broker_instance, tombstone_retention)
+        SELECT e.far_broker_instance, make_interval(secs => (answer ->> 'tombstone_retention_s')::float8)
+        FROM broker.endpoints e
+        WHERE e.conversation_handle = handles[1]
+        ON CONFLICT (broker_instance) DO UPDATE
+        SET tombstone_retention = excluded.tombstone_retention, learned_at = excluded.learned_at
+        WHERE p.tombstone_retention <> excluded.tombstone_retention;
+    END IF;
 
     -- Seldom any: the statement is not run for nothing, as its plan, kept for
     -- the session, may read every endpoint whatever the handles.
