@@ -38,6 +38,17 @@ def _peak_memory_bytes(node) -> int:
     return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
 
 
+def _answer_until_closed(connection: socket.socket) -> bytes:
+    """What the node writes on the connection until it closes it (a reset counts as closed)."""
+    answer = b""
+    try:
+        while chunk := connection.recv(65536):
+            answer += chunk
+    except ConnectionResetError:
+        pass
+    return answer
+
+
 def _headers_only(node, path: str, headers: dict[str, str], declared_bytes: int,
                   content_type: str | None = "application/json") -> tuple[int, str]:
     """The status and the raw answer to a request that declares a body and sends none of it."""
@@ -46,9 +57,7 @@ def _headers_only(node, path: str, headers: dict[str, str], declared_bytes: int,
              f"Content-Length: {declared_bytes}", *(f"{name}: {value}" for name, value in headers.items())]
     with socket.create_connection((address.hostname, address.port), timeout=10) as connection:
         connection.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        answer = b""
-        while chunk := connection.recv(65536):  # the node answers and closes without waiting for the body
-            answer += chunk
+        answer = _answer_until_closed(connection)  # the node answers and closes without waiting for the body
     head, _, body = answer.decode().partition("\r\n\r\n")
     return int(head.split()[1]), head.lower() + "\n" + body
 
@@ -107,12 +116,7 @@ def test_a_head_over_16_kib_is_refused_before_the_node_keeps_more_of_it(node, re
                 time.sleep(0.001 if sent % (64 * 1024) else 0.05)
         except OSError:  # closed by the node
             pass
-        answer = b""
-        try:
-            while chunk := connection.recv(65536):
-                answer += chunk
-        except ConnectionResetError:
-            pass
+        answer = _answer_until_closed(connection)
     assert sent < MIB, f"the node took {sent} bytes of a head"
     assert answer.startswith(b"HTTP/1.1 400") and b"over 16384 bytes" in answer, answer[:300]
     assert _peak_memory_bytes(node) - before < 16 * MIB
@@ -126,12 +130,7 @@ def test_a_head_over_16_kib_sent_in_one_write_is_refused(node, padding):
     address = urlsplit(node.address)
     with socket.create_connection((address.hostname, address.port), timeout=10) as connection:
         connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: node\r\nX-Padding: " + b"p" * padding + b"\r\n\r\n")
-        answer = b""
-        try:
-            while chunk := connection.recv(65536):
-                answer += chunk
-        except ConnectionResetError:
-            pass
+        answer = _answer_until_closed(connection)
     assert answer.startswith(b"HTTP/1.1 400") and b"over 16384 bytes" in answer, answer[:300]
     assert httpx.get(f"{node.address}/healthz", headers={"X-Padding": "p" * 15 * 1024}, timeout=5).status_code == 200
 
