@@ -391,6 +391,7 @@ DECLARE
     far_node_lost boolean := false;
     delivered bigint;
     lane jsonb := nullif(current_setting('broker.batch_cursor', true), '')::jsonb;
+    told_retention interval := make_interval(secs => (answer ->> 'tombstone_retention_s')::float8);
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     -- Each side of the batch with its result, and those whose result shows a
@@ -446,12 +447,11 @@ BEGIN
 
     -- The far node's retention, when it tells one this node does not hold yet:
     -- looked at first, as the upsert would lock the row it holds at every answer.
-    IF answer ? 'tombstone_retention_s' AND NOT EXISTS (
+    IF told_retention IS NOT NULL AND NOT EXISTS (
         SELECT 1 FROM broker.peer_retention p JOIN broker.endpoints e ON e.far_broker_instance = p.broker_instance
-        WHERE e.conversation_handle = handles[1]
-          AND p.tombstone_retention = make_interval(secs => (answer ->> 'tombstone_retention_s')::float8)) THEN
+        WHERE e.conversation_handle = handles[1] AND p.tombstone_retention = told_retention) THEN
         INSERT INTO broker.peer_retention AS p (broker_instance, tombstone_retention)
-        SELECT e.far_broker_instance, make_interval(secs => (answer ->> 'tombstone_retention_s')::float8)
+        SELECT e.far_broker_instance, told_retention
         FROM broker.endpoints e
         WHERE e.conversation_handle = handles[1]
         ON CONFLICT (broker_instance) DO UPDATE
