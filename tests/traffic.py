@@ -32,9 +32,6 @@ class Traffic:
         self.received: dict = defaultdict(list)  # conversation id: (sequence number, body) in the order received
         self.waited: list[tuple[float, float]] = []  # (sent at, seconds waited)
         self.stop = threading.Event()
-        # Set once the sending thread has ended: a send under way when stop is set still commits and counts, so
-        # the receiving thread goes on until then, not until it has caught up with what was counted so far.
-        self.sending_ended = threading.Event()
         self.failures: list[str] = []
         self.threads = [threading.Thread(target=self._send, daemon=True),
                         threading.Thread(target=self._receive, daemon=True)]
@@ -59,7 +56,9 @@ class Traffic:
             time.sleep(0.01)
 
     def _receive(self):
-        while not self.sending_ended.is_set() or self.missing():
+        # A send under way when stop is set still commits and counts: the receiving thread goes on until the
+        # sending thread has ended, not until it has caught up with what was counted so far.
+        while not self.stop.is_set() or self.threads[0].is_alive() or self.missing():
             try:
                 with self.receiver.engine.begin() as c:
                     messages = broker.receive(c, QUEUES[self.to_service], 100, wait_ms=200)
@@ -82,7 +81,6 @@ class Traffic:
     def finish(self, timeout_s=90):
         self.stop.set()
         self.threads[0].join()
-        self.sending_ended.set()
         try:
             wait_for(lambda: self.missing() <= 0, timeout_s, f"{self.to_service} to receive everything sent")
         except AssertionError as timed_out:
