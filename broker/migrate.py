@@ -77,10 +77,10 @@ def is_later(revision: str | None, than: str) -> bool:
 
 
 def head_revision() -> str:
-    """The revision this version of the broker needs."""
-    from alembic.script import ScriptDirectory
-
-    return ScriptDirectory.from_config(alembic_config("")).get_current_head()
+    """The revision this version of the broker needs: the highest number of a revision's file.  Read from the
+    files' names rather than by Alembic, which a node would import for this alone (a sixth of its start's CPU)."""
+    return max(entry.name[:4] for entry in resources.files("broker.migrations.versions").iterdir()
+               if entry.name[:4].isdigit() and entry.name.endswith(".py"))
 
 
 def upgrade(database_url: str, revision: str = "head") -> None:

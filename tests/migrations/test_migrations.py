@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, text
 
 from broker import migrate, schema
@@ -23,6 +24,10 @@ def _schema_state(url):
             " ELSE (SELECT string_agg(version_num, ',') FROM public.broker_alembic_version) END")).scalar_one()
     engine.dispose()
     return has_schema, version
+
+
+def test_the_head_a_node_needs_is_alembics_head():
+    assert HEAD == ScriptDirectory.from_config(migrate.alembic_config("")).get_current_head()
 
 
 def test_upgrade_downgrade_upgrade(empty_database_url):
