@@ -446,18 +446,16 @@ BEGIN
     END IF;
 
     -- The far node's retention, when it tells one this node does not hold yet:
-    -- looked at first, as the upsert would lock the row it holds at every answer.
-    IF told_retention IS NOT NULL AND NOT EXISTS (
-        SELECT 1 FROM broker.peer_retention p JOIN broker.endpoints e ON e.far_broker_instance = p.broker_instance
-        WHERE e.conversation_handle = handles[1] AND p.tombstone_retention = told_retention) THEN
-        INSERT INTO broker.peer_retention AS p (broker_instance, tombstone_retention)
-        SELECT e.far_broker_instance, told_retention
-        FROM broker.endpoints e
-        WHERE e.conversation_handle = handles[1]
-        ON CONFLICT (broker_instance) DO UPDATE
-        SET tombstone_retention = excluded.tombstone_retention, learned_at = excluded.learned_at
-        WHERE p.tombstone_retention <> excluded.tombstone_retention;
-    END IF;
+    -- an upsert of the row it holds would lock that row at every answer.
+    INSERT INTO broker.peer_retention AS p (broker_instance, tombstone_retention)
+    SELECT e.far_broker_instance, told_retention
+    FROM broker.endpoints e
+    WHERE e.conversation_handle = handles[1] AND told_retention IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM broker.peer_retention held
+                      WHERE held.broker_instance = e.far_broker_instance AND held.tombstone_retention = told_retention)
+    ON CONFLICT (broker_instance) DO UPDATE
+    SET tombstone_retention = excluded.tombstone_retention, learned_at = excluded.learned_at
+    WHERE p.tombstone_retention <> excluded.tombstone_retention;
 
     -- Seldom any: the statement is not run for nothing, as its plan, kept for
     -- the session, may read every endpoint whatever the handles.
