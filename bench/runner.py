@@ -55,8 +55,9 @@ def _scenarios(server: BenchServer, output: Path, sizes: Sizes, repetitions: int
     for readers in (1, 4):
         results += local.receive(server, sizes.receive, repetitions, readers, report, pgmq_sql)
     with TwoNodes(server, log) as nodes:
-        results.append(cross_node.transfer(nodes, 1_000, sizes.transfer, repetitions, report))
-        transfer = results[-1].measured.median
+        transfers = cross_node.transfer(nodes, 1_000, sizes.transfer, repetitions, report)
+        results += transfers
+        transfer = transfers[0].measured.median
         results.append(cross_node.latency(nodes, 1_000, sizes.latency_s, repetitions, report))
         results.append(cross_node.traced(nodes, 1_000, sizes.transfer, repetitions, report))
         results.append(cross_node.resend_window(nodes, 1_000, sizes.transfer, repetitions, report))
