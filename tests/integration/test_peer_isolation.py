@@ -177,11 +177,11 @@ def test_the_conversation_a_peer_meddled_with_goes_on_with_its_own_peer(nodes, r
 
 
 @pytest.mark.parametrize("message_type", ["order.note", "order.submit", "broker.end_dialog"])
-def test_a_peer_opens_conversations_only_from_services_routed_to_it(nodes, rogue, message_type):
+def test_a_peer_opens_conversations_only_from_services_routed_to_it(shared_nodes, shared_rogue, message_type):
     """order.note is opened in bulk, order.submit (validated) and broker.end_dialog one by one."""
-    a, b = nodes
+    a, b = shared_nodes
     posing_as_a, unrouted, its_own = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
-    results = _post_as_rogue(b, rogue, _rows(posing_as_a, [1], from_service="shop", message_type=message_type)
+    results = _post_as_rogue(b, shared_rogue, _rows(posing_as_a, [1], from_service="shop", message_type=message_type)
                              + _rows(unrouted, [1], from_service="nobody", message_type=message_type)
                              + _rows(its_own, [1], from_service="rogue", message_type=message_type))
     for refused in (posing_as_a, unrouted):
@@ -189,20 +189,20 @@ def test_a_peer_opens_conversations_only_from_services_routed_to_it(nodes, rogue
         assert result["refused"]["sqlstate"] == "BR006" and "broker instance" in result["refused"]["reason"]
         assert b.scalar("SELECT count(*) FROM broker.endpoints WHERE conversation_id = :c", c=refused) == 0
     assert results[(str(its_own), True)]["acknowledged"] == 1 and "refused" not in results[(str(its_own), True)]
-    assert b.scalar("SELECT far_service FROM broker.endpoints") == "rogue"
+    assert b.scalar("SELECT far_service FROM broker.endpoints WHERE conversation_id = :c", c=its_own) == "rogue"
     assert b.scalar("SELECT count(*) FROM broker.queue_messages WHERE conversation_id = :c", c=its_own) == 1
 
 
 @pytest.mark.parametrize("message_type", ["order.note", "order.submit"])
-def test_a_conversation_whose_lifetime_ends_past_the_year_9999_is_refused_and_opens_nothing(nodes, rogue,
+def test_a_conversation_whose_lifetime_ends_past_the_year_9999_is_refused_and_opens_nothing(shared_nodes, shared_rogue,
                                                                                            message_type):
     """No client's datetime reads such a time back (status and lists would fail on it): a peer that sends one, as a
     release before this one could, has the conversation refused (BR050), in bulk (order.note) or one by one."""
-    _, b = nodes
+    _, b = shared_nodes
     conversation = uuid.uuid4()
     [row] = _rows(conversation, [1], from_service="rogue", message_type=message_type)
     ending = "9999-12-31T23:59:59-14:00"  # the year 10000 in UTC
-    result = _post_as_rogue(b, rogue, [row[:5] + (ending,) + row[6:]])[(str(conversation), True)]
+    result = _post_as_rogue(b, shared_rogue, [row[:5] + (ending,) + row[6:]])[(str(conversation), True)]
     assert result["refused"]["sqlstate"] == "BR050" and "before the year 10000" in result["refused"]["reason"]
     assert b.scalar("SELECT count(*) FROM broker.endpoints WHERE conversation_id = :c", c=conversation) == 0
 
@@ -356,17 +356,18 @@ def test_a_request_captured_on_its_way_to_one_node_is_refused_at_another(nodes, 
                       timeout=30).status_code == 200
 
 
-def test_a_request_signed_for_one_endpoint_is_refused_at_another(nodes):
-    a, b = nodes
-    body = _encode(b, _rows(uuid.uuid4(), [1]))
+def test_a_request_signed_for_one_endpoint_is_refused_at_another(shared_nodes):
+    a, b = shared_nodes
+    conversation = uuid.uuid4()
+    body = _encode(b, _rows(conversation, [1]))
     headers = _signed_request(SECRET, a.instance, b.instance, signing.DESCRIBE_PATH, body, wire.BATCH_MEDIA_TYPE)
     response = httpx.post(f"{b.address}{signing.BATCHES_PATH}", content=body, headers=headers, timeout=30)
     assert response.status_code == 401 and response.json()["type"] == "/problems/bad-signature"
-    assert b.scalar("SELECT count(*) FROM broker.endpoints") == 0
+    assert b.scalar("SELECT count(*) FROM broker.endpoints WHERE conversation_id = :c", c=conversation) == 0
 
 
-def test_a_signed_describe_request_with_a_name_postgresql_cannot_hold_is_malformed_not_a_failure(nodes):
-    a, b = nodes
+def test_a_signed_describe_request_with_a_name_postgresql_cannot_hold_is_malformed_not_a_failure(shared_nodes):
+    a, b = shared_nodes
     asked = json.dumps({"services": ["ware\u0000house"], "contracts": []}).encode()
     headers = _signed_request(SECRET, a.instance, b.instance, signing.DESCRIBE_PATH, asked)
     response = httpx.post(f"{b.address}{signing.DESCRIBE_PATH}", content=asked, headers=headers, timeout=30)
