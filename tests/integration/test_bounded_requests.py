@@ -12,7 +12,7 @@ from sqlalchemy import text
 
 import broker
 from broker.transport import signing
-from tests.factories import WAREHOUSE_QUEUE, begin
+from tests.factories import WAREHOUSE_QUEUE, begin, define_orders
 from tests.nodes import Node
 from tests.rest import new_key
 
@@ -20,9 +20,11 @@ MIB = 1024 * 1024
 RECEIVE = f"/v1/queues/{WAREHOUSE_QUEUE}/receive"
 
 
-@pytest.fixture
-def node(database_url, orders, tmp_path):
-    node = Node("a", database_url, tmp_path)
+def _serving(database_url, log_dir):
+    """A node of the orders catalog, serving, with an admin key and a conversation begun."""
+    node = Node("a", database_url, log_dir)
+    with node.engine.begin() as c:
+        define_orders(c)
     node.start()
     node.key = new_key(node.engine, "admin")
     with node.engine.begin() as c:
@@ -30,6 +32,18 @@ def node(database_url, orders, tmp_path):
     yield node
     node.stop()
     node.engine.dispose()
+
+
+@pytest.fixture
+def node(database_url, tmp_path):
+    """A node of its own: for a test that stores something or reads the node's peak memory."""
+    yield from _serving(database_url, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_node(shared_database_url, tmp_path_factory):
+    """A node that the module's tests of requests refused before anything is read or stored share."""
+    yield from _serving(shared_database_url, tmp_path_factory.mktemp("shared_node"))
 
 
 def _peak_memory_bytes(node) -> int:
@@ -73,19 +87,20 @@ def _post_raw(node, path: str, body: bytes, key: str | None) -> httpx.Response |
 
 
 @pytest.mark.parametrize("authorization", [None, "Bearer not-a-key", "Bearer bk_000000000000_" + "A" * 43])
-def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(node, authorization):
+def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(shared_node, authorization):
     headers = {"Authorization": authorization} if authorization else {}
-    status, answer = _headers_only(node, f"/v1/conversations/{node.handle}/messages", headers, 48 * MIB)
+    status, answer = _headers_only(shared_node, f"/v1/conversations/{shared_node.handle}/messages", headers,
+                                   48 * MIB)
     assert status == 401 and "connection: close" in answer and "/problems/unauthorized" in answer
 
 
-def test_an_unsigned_transport_request_is_refused_before_its_body_is_read(node):
+def test_an_unsigned_transport_request_is_refused_before_its_body_is_read(shared_node):
     fresh = {signing.TIMESTAMP_HEADER: str(int(time.time())), signing.SIGNATURE_HEADER: "0" * 64}
     cases = [({}, "unknown-peer"),
              ({signing.INSTANCE_HEADER: str(uuid.uuid4()), **fresh}, "unknown-peer"),  # no route to it here
              ({signing.INSTANCE_HEADER: str(uuid.uuid4())}, "bad-signature")]
     for headers, kind in cases:
-        status, answer = _headers_only(node, signing.BATCHES_PATH, headers, 48 * MIB)
+        status, answer = _headers_only(shared_node, signing.BATCHES_PATH, headers, 48 * MIB)
         assert status == 401 and "connection: close" in answer and f"/problems/{kind}" in answer
 
 
@@ -124,15 +139,16 @@ def test_a_head_over_16_kib_is_refused_before_the_node_keeps_more_of_it(node, re
 
 
 @pytest.mark.parametrize("padding", [16 * 1024, 200 * 1024], ids=["17 KiB", "201 KiB"])
-def test_a_head_over_16_kib_sent_in_one_write_is_refused(node, padding):
+def test_a_head_over_16_kib_sent_in_one_write_is_refused(shared_node, padding):
     """The whole head at once, just past 16 KiB and far past it: answered 400 saying why, as one sent a KiB at a
     time is, and the node goes on serving."""
-    address = urlsplit(node.address)
+    address = urlsplit(shared_node.address)
     with socket.create_connection((address.hostname, address.port), timeout=10) as connection:
         connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: node\r\nX-Padding: " + b"p" * padding + b"\r\n\r\n")
         answer = _answer_until_closed(connection)
     assert answer.startswith(b"HTTP/1.1 400") and b"over 16384 bytes" in answer, answer[:300]
-    assert httpx.get(f"{node.address}/healthz", headers={"X-Padding": "p" * 15 * 1024}, timeout=5).status_code == 200
+    assert httpx.get(f"{shared_node.address}/healthz", headers={"X-Padding": "p" * 15 * 1024},
+                     timeout=5).status_code == 200
 
 
 @pytest.mark.parametrize("body,limit", [
