@@ -132,8 +132,8 @@ def test_without_tracing_a_traceparent_given_in_sql_reaches_the_far_receiver_as_
     assert [m["traceparent"] for m in received] == [CALLER, CALLER, CALLER.replace("-01", "-00"), None]
 
 
-def test_a_malformed_traceparent_is_refused_and_nothing_is_sent(nodes):
-    a, _ = nodes
+def test_a_malformed_traceparent_is_refused_and_nothing_is_sent(shared_nodes):
+    a, _ = shared_nodes
     with a.engine.begin() as c:
         handle = broker.begin_dialog(c, "shop", "warehouse", "orders")
     malformed = ["00-" + "0" * 32 + "-00f067aa0ba902b7-01", CALLER.upper(), CALLER + "-extra", "01" + CALLER[2:],
@@ -154,8 +154,8 @@ def test_a_malformed_traceparent_is_refused_and_nothing_is_sent(nodes):
 
 
 @pytest.mark.parametrize("traceparent", [CALLER.upper(), "00-" + "0" * 32 + "-00f067aa0ba902b7-01", "<script>", ""])
-def test_a_peer_batch_with_a_malformed_traceparent_is_refused_whole_and_nothing_is_stored(nodes, traceparent):
-    a, b = nodes
+def test_a_peer_batch_with_a_malformed_traceparent_is_refused_whole_and_nothing_is_stored(shared_nodes, traceparent):
+    a, b = shared_nodes
     rows = [(*row, CALLER) for row in _batch(uuid.uuid4(), [1, 2])] + \
         [(*row, traceparent) for row in _batch(uuid.uuid4(), [1])]
     answer = _post(b, a, _encode(b, rows))
