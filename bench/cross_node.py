@@ -32,7 +32,7 @@ NUMBERS_RECEIVED = ("CREATE TABLE IF NOT EXISTS bench_received (conversation_id 
 # A sends: each conversation's messages take its next numbers, and its row moves on, in one statement.
 NUMBERED_INSERT = """
 WITH given AS (
-    SELECT g.conversation_id, g.body, row_number() OVER (PARTITION BY g.conversation_id ORDER BY g.k) AS nth
+    SELECT g.k, g.conversation_id, g.body, row_number() OVER (PARTITION BY g.conversation_id ORDER BY g.k) AS nth
     FROM unnest(%(conversations)s::uuid[], %(bodies)s::bytea[]) WITH ORDINALITY AS g(conversation_id, body, k)
 ), moved AS (
     UPDATE bench_sent s SET sent = s.sent + g.messages
@@ -41,14 +41,14 @@ WITH given AS (
     RETURNING s.conversation_id, s.sent - g.messages AS before
 )
 INSERT INTO bench_outbox (conversation_id, seq, body)
-SELECT g.conversation_id, m.before + g.nth, g.body FROM given g JOIN moved m USING (conversation_id)
+SELECT g.conversation_id, m.before + g.nth, g.body FROM given g JOIN moved m USING (conversation_id) ORDER BY g.k
 """
-# B takes a batch's numbers of a conversation only where they begin right after what it holds.
+# B takes a batch's numbers of a conversation only where they begin right after what it holds, without a gap.
 NUMBERED_ACCEPT = """
 UPDATE bench_received r SET received = b.last
 FROM (SELECT conversation_id, min(seq) AS first, max(seq) AS last
       FROM unnest(%(conversations)s::uuid[], %(numbers)s::bigint[]) AS b(conversation_id, seq)
-      GROUP BY conversation_id) b
+      GROUP BY conversation_id HAVING max(seq) - min(seq) + 1 = count(*)) b
 WHERE r.conversation_id = b.conversation_id AND r.received = b.first - 1
 """
 SET_RESEND_WINDOW = "UPDATE broker.node SET resend_window = %s"
