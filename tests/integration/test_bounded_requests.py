@@ -13,7 +13,7 @@ from sqlalchemy import text
 import broker
 from broker.transport import signing
 from tests.factories import WAREHOUSE_QUEUE, begin, define_orders
-from tests.nodes import Node
+from tests.nodes import Node, stop_all
 from tests.rest import new_key
 
 MIB = 1024 * 1024
@@ -30,8 +30,7 @@ def _serving(database_url, log_dir):
     with node.engine.begin() as c:
         node.handle = begin(c)
     yield node
-    node.stop()
-    node.engine.dispose()
+    stop_all(node)
 
 
 @pytest.fixture
