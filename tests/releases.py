@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-# The last release before this one (revision 0035, wire versions 3 and 4): the release this one must talk to, both
+# The last release before this one (revision 0037, wire versions 3 and 4): the release this one must talk to, both
 # ways, and whose databases this release's migrations take over while it serves.
-PREVIOUS_RELEASE = "0.2.0"
-PREVIOUS_REVISION = "0035"
+PREVIOUS_RELEASE = "0.3.0"
+PREVIOUS_REVISION = "0037"
 PREVIOUS_WIRE_VERSION = 4
 
 
