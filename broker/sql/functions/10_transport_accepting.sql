@@ -457,6 +457,7 @@ BEGIN
         SELECT t.conversation_handle, t.conversation_id, t.is_initiator, t.receive_sequence, t.queue_id,
                t.conversation_group_id, t.priority, t.received_message_id,
                min(b.sequence_number) AS first_number, max(b.sequence_number) AS last_number, count(*) AS messages,
+               count(DISTINCT b.sequence_number) AS numbers,
                bool_and(p.name IS NOT NULL AND coalesce(octet_length(b.body), 0) <= limit_bytes) AS plain
         FROM unnest(taken) t
         JOIN pg_temp.incoming_batch b
@@ -465,16 +466,10 @@ BEGIN
                ON p.contract_id = t.contract_id AND p.sent_by_initiator = NOT t.is_initiator AND p.name = b.message_type
         GROUP BY t.conversation_handle, t.conversation_id, t.is_initiator, t.receive_sequence, t.queue_id,
                  t.conversation_group_id, t.priority, t.received_message_id
-    ), distinct_numbers AS (  -- how many numbers each side of the batch has, however often each comes
-        SELECT d.conversation_id, d.sender_is_initiator, count(*) AS numbers
-        FROM (SELECT DISTINCT b.conversation_id, b.sender_is_initiator, b.sequence_number
-              FROM pg_temp.incoming_batch b) d
-        GROUP BY d.conversation_id, d.sender_is_initiator
     ), fitting AS MATERIALIZED (  -- exactly the numbers that come next, each once, all plain
         SELECT s.* FROM sides s
-        JOIN distinct_numbers n ON n.conversation_id = s.conversation_id AND n.sender_is_initiator = NOT s.is_initiator
         WHERE s.plain AND s.first_number = s.receive_sequence + 1
-          AND s.last_number - s.first_number + 1 = s.messages AND n.numbers = s.messages
+          AND s.last_number - s.first_number + 1 = s.messages AND s.numbers = s.messages
     ), accepted AS MATERIALIZED (
         SELECT f.queue_id, f.conversation_group_id, f.conversation_handle, f.conversation_id, f.priority,
                f.last_number, b.sequence_number, b.message_id, b.message_type, b.body, b.traceparent,
