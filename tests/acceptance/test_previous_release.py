@@ -10,12 +10,11 @@ import pytest
 from sqlalchemy import text
 
 from broker import migrate as this_release
-from broker import schema
 from tests.conftest import _fresh_database
 from tests.migrations import catalog
 from tests.nodes import Node, serve_pair, stop_all
 from tests.traffic import QUEUES, both_ways
-from tests.releases import (PREVIOUS_RELEASE, PREVIOUS_REVISION, PREVIOUS_WIRE_VERSION, checkout, install,
+from tests.releases import (PREVIOUS_RELEASE, PREVIOUS_REVISION, PREVIOUS_WIRE_VERSION, install,
                             installed_in, run)
 
 pytestmark = pytest.mark.slow
@@ -161,15 +160,3 @@ def test_a_database_the_previous_release_built_is_carried_over_to_what_this_rele
     for database in (built_before, built_now):
         next(database, None)
 
-
-def test_a_release_that_changes_function_files_has_a_revision_of_its_own_while_the_previous_one_needs_it(tmp_path):
-    """A node of a release without broker.function_release (0.2.0 and before) tells a database migrated ahead of it,
-    which it may serve still, from one left behind only by the revision (api.routes.health): a release after such
-    a one that changes function files has a revision of its own."""
-    source = checkout(PREVIOUS_RELEASE, tmp_path / "previous")
-    if "function_release" in (source / "broker" / "sql" / "schema" / "08_versions.sql").read_text():
-        pytest.skip("the previous release's nodes read broker.function_release")
-    theirs = {file.name: file.read_bytes() for file in (source / "broker" / "sql" / "functions").glob("*.sql")}
-    ours = {file.name: file.read_bytes() for file in schema.function_files()}
-    if ours != theirs:
-        assert this_release.head_revision() != PREVIOUS_REVISION
