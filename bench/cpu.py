@@ -53,23 +53,28 @@ class Roles:
 
 @dataclass(frozen=True)
 class BareRoles:
-    """The bare relay's processes, in the groups of the broker's: its sender's backend, its backend reading and
-    deleting on A, its backend copying into B, the server's own processes, and the benchmark's thread that moves
-    the batches (the relay).  The nodes' backends, idle meanwhile, are left out."""
+    """The bare relays' processes, in the groups of the broker's: the sender's backend, the backend reading and
+    deleting on A, the backends writing into B, the server's own processes, the benchmark's thread that moves the
+    batches (the relay), and the process of the endpoint that takes them over HTTP (the API), when there is one.
+    The nodes' backends, idle meanwhile, are left out."""
     sender_backend: int
     source_backend: int
-    target_backend: int
+    target_backends: tuple[int, ...]
     a_url: str
     relay_thread: int
+    api: int | None = None
 
     def times(self) -> dict[tuple[str, int], float]:
         """CPU seconds each of them has used so far, by its group and pid (the relay: its thread id)."""
         backends = _backends(self.a_url)
-        named = {self.sender_backend: GROUPS[0], self.source_backend: GROUPS[1], self.target_backend: GROUPS[2]}
+        named = {self.sender_backend: GROUPS[0], self.source_backend: GROUPS[1],
+                 **dict.fromkeys(self.target_backends, GROUPS[2])}
         used = _server_times(self.sender_backend,
                              lambda pid: named.get(pid, GROUPS[3] if pid not in backends else None))
         [relay] = [thread for thread in psutil.Process().threads() if thread.id == self.relay_thread]
         used[GROUPS[4], self.relay_thread] = relay.user_time + relay.system_time
+        if self.api is not None:
+            used[GROUPS[5], self.api] = _seconds(psutil.Process(self.api))
         return used
 
 

@@ -1,5 +1,7 @@
 """Cross-node scenarios: transfer throughput next to a bare relay, latency, and throughput at scale."""
+import hmac
 import io
+import json
 import select
 import statistics
 import struct
@@ -8,14 +10,17 @@ import time
 import uuid
 from collections.abc import Callable
 
+import httpx
 import psycopg2
 import psycopg2.extras
+from sqlalchemy.engine import make_url
 
-from bench import cpu, workload
+from bench import bare_api, cpu, workload
 from bench.databases import WalMeter
-from bench.nodes import TwoNodes
+from bench.nodes import TwoNodes, start_bare_api
 from bench.otlp_sink import OtlpSink
 from bench.results import Measurement, ScenarioResult, ratio_met
+from broker.cli.processes import stop
 
 BARE_OUTBOX = ("CREATE TABLE IF NOT EXISTS bench_outbox (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL,"
                " seq bigint NOT NULL, body bytea NOT NULL)")
@@ -24,7 +29,8 @@ BARE_INBOX = ("CREATE TABLE IF NOT EXISTS bench_inbox (id bigint PRIMARY KEY, co
 BARE_INSERT = "INSERT INTO bench_outbox (conversation_id, seq, body) VALUES %s"
 BARE_BATCH = "SELECT id, conversation_id, seq, body FROM bench_outbox ORDER BY id LIMIT 1000"
 BARE_DELETE = "DELETE FROM bench_outbox WHERE id <= %s"
-# The numbered bare relay: the least that numbering each conversation costs, a row of its number on each node.
+# The numbered relay over HTTP: the least that numbering each conversation costs, a row of its number on each node,
+# with the hop a node makes (bench.bare_api takes its batches).
 NUMBERS_SENT = ("CREATE TABLE IF NOT EXISTS bench_sent (conversation_id uuid PRIMARY KEY, sent bigint NOT NULL)"
                 " WITH (fillfactor = 70)")
 NUMBERS_RECEIVED = ("CREATE TABLE IF NOT EXISTS bench_received (conversation_id uuid PRIMARY KEY,"
@@ -43,14 +49,14 @@ WITH given AS (
 INSERT INTO bench_outbox (conversation_id, seq, body)
 SELECT g.conversation_id, m.before + g.nth, g.body FROM given g JOIN moved m USING (conversation_id) ORDER BY g.k
 """
-# B takes a batch's numbers of a conversation only where they begin right after what it holds, without a gap.
-NUMBERED_ACCEPT = """
-UPDATE bench_received r SET received = b.last
-FROM (SELECT conversation_id, min(seq) AS first, max(seq) AS last
-      FROM unnest(%(conversations)s::uuid[], %(numbers)s::bigint[]) AS b(conversation_id, seq)
-      GROUP BY conversation_id HAVING max(seq) - min(seq) + 1 = count(*)) b
-WHERE r.conversation_id = b.conversation_id AND r.received = b.first - 1
-"""
+# Its batches, as the broker's relay reads them: binary COPY, up to the last of the next 1,000.
+LAST_OF_BATCH = "SELECT max(id), count(*) FROM (SELECT id FROM bench_outbox ORDER BY id LIMIT 1000) b"
+NUMBERED_BATCH = ("COPY (SELECT id, conversation_id, seq, body FROM bench_outbox WHERE id <= %s ORDER BY id)"
+                  " TO STDOUT (FORMAT binary)")
+# A batch of no rows, in that format: the endpoint's pool connects before a measurement.
+EMPTY_BATCH = b"PGCOPY\n\xff\r\n\x00" + bytes(8) + struct.pack(">h", -1)
+NUMBERED_RELAY_NAME = "bench numbered relay"
+ENDPOINT_BACKENDS = "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
 SET_RESEND_WINDOW = "UPDATE broker.node SET resend_window = %s"
 RECEIVE_TIMED = "SELECT body, extract(epoch FROM enqueued_at) FROM broker.receive('bench_dst', 100)"
 # The scale target: the slowest point of the curve within this factor of the fastest.
@@ -97,18 +103,22 @@ def _transfer(nodes: TwoNodes, handles: list[str], messages: int, payloads: list
 
 
 def _bare_relay(nodes: TwoNodes, conversations: int, messages: int, payloads: list,
-                numbered: bool = False) -> tuple[float, dict]:
+                numbered_at: tuple[str, int] | None = None) -> tuple[float, dict]:
     """The same traffic through a bare pipeline: multi-row INSERTs into an outbox table on A while a
     loop selects a batch, COPYs it into B, commits, deletes it from A and commits.  Returns its rate and its
     CPU a message in the groups of the broker's (bench.cpu).
 
-    numbered: each conversation's messages are numbered as they are sent, from a row of its own on A, and B moves a
-    row of its own for each conversation of a batch on, only where the batch's numbers begin right after it (else
-    the run fails): the least that the guarantees' numbering costs, without anything else the broker does."""
+    numbered_at: the address and process id of a numbered relay's endpoint (bench.bare_api): each conversation's
+    messages are numbered as they are sent, from a row of its own on A, and the loop reads each batch as binary
+    COPY, signs it and posts it there, where B stores it and moves a row of its own for each conversation on, only
+    where the batch's numbers begin right after it (else the run fails); the loop checks the answer's signature
+    and then deletes the batch from A.  The least that the guarantees' numbering costs with the hop a node makes,
+    without anything else the broker does."""
     conversation_ids = [str(uuid.uuid4()) for _ in range(conversations)]
     sender = psycopg2.connect(nodes.a_url)
     source = psycopg2.connect(nodes.a_url)
     target = psycopg2.connect(nodes.b_url)
+    client = httpx.Client(timeout=60)
     try:
         for connection, messages_table, numbers_table in (
                 (source, ("bench_outbox", BARE_OUTBOX), ("bench_sent", NUMBERS_SENT)),
@@ -117,12 +127,21 @@ def _bare_relay(nodes: TwoNodes, conversations: int, messages: int, payloads: li
                 for table, create in (messages_table, numbers_table):
                     cursor.execute(create)
                     cursor.execute(f"TRUNCATE {table}")
-                if numbered:
+                if numbered_at:
                     cursor.execute(f"INSERT INTO {numbers_table[0]} SELECT unnest(%s::uuid[]), 0", (conversation_ids,))
             connection.commit()
         done_sending = threading.Event()
-        roles = cpu.BareRoles(sender.get_backend_pid(), source.get_backend_pid(), target.get_backend_pid(),
-                              nodes.a_url, threading.get_native_id())
+        if numbered_at:
+            address, api = numbered_at
+            _post_batch(client, address, EMPTY_BATCH)  # its pool connected: its backend is counted
+            with target.cursor() as cursor:
+                cursor.execute(ENDPOINT_BACKENDS, (NUMBERED_RELAY_NAME,))
+                target_backends = tuple(pid for (pid,) in cursor.fetchall())
+            target.rollback()
+        else:
+            target_backends, api = (target.get_backend_pid(),), None
+        roles = cpu.BareRoles(sender.get_backend_pid(), source.get_backend_pid(), target_backends,
+                              nodes.a_url, threading.get_native_id(), api)
         before = roles.times()
 
         def send() -> None:
@@ -130,7 +149,7 @@ def _bare_relay(nodes: TwoNodes, conversations: int, messages: int, payloads: li
                 for start in range(0, messages, workload.PER_TRANSACTION):
                     rows = [(conversation_ids[(start + i) % conversations], start + i, payloads[i])
                             for i in range(min(workload.PER_TRANSACTION, messages - start))]
-                    if numbered:
+                    if numbered_at:
                         cursor.execute(NUMBERED_INSERT, {"conversations": [row[0] for row in rows],
                                                          "bodies": [row[2] for row in rows]})
                     else:
@@ -144,46 +163,84 @@ def _bare_relay(nodes: TwoNodes, conversations: int, messages: int, payloads: li
         moved = 0
         deadline = started + 60 + messages / 500
         while moved < messages and time.monotonic() < deadline:
-            with source.cursor() as cursor:
-                cursor.execute(BARE_BATCH)
-                rows = cursor.fetchall()
-            source.rollback()
-            if not rows:
+            if numbered_at:
+                last, taken = _numbered_batch(source, client, address)
+            else:
+                last, taken = _bare_batch(source, target)
+            if not taken:
                 time.sleep(0.001)
                 continue
-            copy = io.StringIO("".join(f"{id_}\t{conversation}\t{seq}\t\\\\x{bytes(body).hex()}\n"
-                                       for id_, conversation, seq, body in rows))
-            with target.cursor() as cursor:
-                cursor.copy_expert("COPY bench_inbox FROM STDIN", copy)
-                if numbered:
-                    cursor.execute(NUMBERED_ACCEPT, {"conversations": [row[1] for row in rows],
-                                                     "numbers": [row[2] for row in rows]})
-                    if cursor.rowcount != len({row[1] for row in rows}):
-                        raise RuntimeError("the numbered bare relay took a batch out of order")
-            target.commit()
             with source.cursor() as cursor:
-                cursor.execute(BARE_DELETE, (rows[-1][0],))
+                cursor.execute(BARE_DELETE, (last,))
             source.commit()
-            moved += len(rows)
+            moved += taken
         sending.join()
         if moved < messages:
             raise RuntimeError(f"the bare relay moved {moved:,} of {messages:,} in time")
         rate = messages / (time.monotonic() - started)
         return rate, cpu.per_message_us(before, roles.times(), messages)
     finally:
+        client.close()
         for connection in (sender, source, target):
             connection.close()
 
 
+def _bare_batch(source, target) -> tuple[int | None, int]:
+    """The bare relay's next batch from A into B, committed there: the last id it took, and how many."""
+    with source.cursor() as cursor:
+        cursor.execute(BARE_BATCH)
+        rows = cursor.fetchall()
+    source.rollback()
+    if not rows:
+        return None, 0
+    copy = io.StringIO("".join(f"{id_}\t{conversation}\t{seq}\t\\\\x{bytes(body).hex()}\n"
+                               for id_, conversation, seq, body in rows))
+    with target.cursor() as cursor:
+        cursor.copy_expert("COPY bench_inbox FROM STDIN", copy)
+    target.commit()
+    return rows[-1][0], len(rows)
+
+
+def _numbered_batch(source, client: httpx.Client, address: str) -> tuple[int | None, int]:
+    """The numbered relay's next batch from A, posted to its endpoint and answered: the last id it took, and how
+    many."""
+    batch = io.BytesIO()
+    with source.cursor() as cursor:
+        cursor.execute(LAST_OF_BATCH)
+        last, taken = cursor.fetchone()
+        if taken:
+            cursor.copy_expert(cursor.mogrify(NUMBERED_BATCH, (last,)).decode(), batch)
+    source.rollback()
+    if taken:
+        _post_batch(client, address, batch.getvalue())
+    return last, taken
+
+
+def _post_batch(client: httpx.Client, address: str, batch: bytes) -> list:
+    """Posts a batch to the numbered relay's endpoint, signed; its results, read as a relay reads an answer once
+    its signature is checked."""
+    answer = client.post(f"{address}/batches", content=batch,
+                         headers={bare_api.SIGNATURE_HEADER: bare_api.signature(batch)})
+    if answer.status_code == 409:
+        raise RuntimeError("the numbered relay took a batch out of order")
+    answer.raise_for_status()
+    if not hmac.compare_digest(answer.headers[bare_api.SIGNATURE_HEADER], bare_api.signature(answer.content)):
+        raise RuntimeError("the numbered relay's answer is not signed as its batch was")
+    return json.loads(answer.content)
+
+
 def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: int,
              report: Callable[[str], None]) -> list[ScenarioResult]:
-    """The transfer against the bare relay (the target), and against the numbered bare relay (reported): what the
-    broker spends beyond the least that numbering each conversation costs.  The three alternate on the same nodes."""
+    """The transfer against the bare relay (the target), and against the numbered relay over HTTP (reported): what
+    the broker spends beyond the least that numbering each conversation costs with the hop a node makes.  The three
+    alternate on the same nodes; the numbered relay's endpoint (bench.bare_api) serves B's database meanwhile."""
     payloads = workload.bodies()
     handles, opened_per_s = open_conversations(nodes, conversations, payloads)
     _transfer(nodes, handles, min(messages, 5_000), payloads)  # warm the processes and caches
     nodes.clear_arrived()
-    rates: dict[str, list[float]] = {"broker": [], "bare relay": [], "numbered bare relay": []}
+    endpoint_url = make_url(nodes.b_url).update_query_dict({"application_name": NUMBERED_RELAY_NAME})
+    endpoint, endpoint_address = start_bare_api(endpoint_url.render_as_string(hide_password=False), nodes.log)
+    rates: dict[str, list[float]] = {"broker": [], "bare relay": [], "numbered relay over HTTP": []}
     cpu_used: dict[str, list[dict]] = {name: [] for name in rates}
     wal_bytes: dict[str, list[float]] = {name: [] for name in rates}
     roles = nodes.roles()
@@ -200,24 +257,28 @@ def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: in
         rate = _transfer(nodes, handles, messages, payloads)
         return rate, cpu.per_message_us(before, roles.times(), messages)
 
-    for repetition in range(1, repetitions + 1):
-        measure("bare relay", lambda: _bare_relay(nodes, conversations, messages, payloads))
-        measure("numbered bare relay", lambda: _bare_relay(nodes, conversations, messages, payloads, numbered=True))
-        measure("broker", broker)
-        nodes.clear_arrived()
-        report(f"cross-node transfer: repetition {repetition}/{repetitions}: "
-               + ", ".join(f"{name} {rates[name][-1]:,.0f} msgs/s, CPU {cpu_used[name][-1]['all']:.1f} µs and WAL "
-                           f"{wal_bytes[name][-1]:,.0f} bytes a message" for name in rates))
-    wal.close()
+    try:
+        for repetition in range(1, repetitions + 1):
+            measure("bare relay", lambda: _bare_relay(nodes, conversations, messages, payloads))
+            measure("numbered relay over HTTP", lambda: _bare_relay(nodes, conversations, messages, payloads,
+                                                                    (endpoint_address, endpoint.pid)))
+            measure("broker", broker)
+            nodes.clear_arrived()
+            report(f"cross-node transfer: repetition {repetition}/{repetitions}: "
+                   + ", ".join(f"{name} {rates[name][-1]:,.0f} msgs/s, CPU {cpu_used[name][-1]['all']:.1f} µs and "
+                               f"WAL {wal_bytes[name][-1]:,.0f} bytes a message" for name in rates))
+    finally:
+        stop(endpoint)
+        wal.close()
     cpu_us = {name: {group: statistics.median(used[group] for used in runs) for group in runs[0]}
               for name, runs in cpu_used.items()}
     measured = Measurement(f"send_batch → relay → HTTP → accept, CPU {cpu_us['broker']['all']:.0f} µs a message over "
                            "both nodes", "msgs/s", rates["broker"])
     bare = Measurement(f"bare relay: INSERT / SELECT, COPY, DELETE, CPU {cpu_us['bare relay']['all']:.0f} µs a "
                        "message", "msgs/s", rates["bare relay"])
-    numbered = Measurement(f"the bare relay numbering each conversation on both nodes, CPU "
-                           f"{cpu_us['numbered bare relay']['all']:.0f} µs a message", "msgs/s",
-                           rates["numbered bare relay"])
+    numbered = Measurement(f"a relay numbering each conversation on both nodes, its batches signed and posted to "
+                           f"FastAPI, CPU {cpu_us['numbered relay over HTTP']['all']:.0f} µs a message", "msgs/s",
+                           rates["numbered relay over HTTP"])
     details = {"conversations": conversations, "messages": messages, "per_transaction": workload.PER_TRANSACTION,
                "measured": "over conversations already open on both nodes"}
     return [ScenarioResult("cross-node transfer", measured, bare,
@@ -226,11 +287,11 @@ def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: in
                            details={**details, "conversations_opened_per_s": opened_per_s,
                                     "cpu_us_per_message": cpu_us["broker"],
                                     "bare_relay_cpu_us_per_message": cpu_us["bare relay"],
-                                    "numbered_bare_relay_cpu_us_per_message": cpu_us["numbered bare relay"],
+                                    "numbered_relay_over_http_cpu_us_per_message": cpu_us["numbered relay over HTTP"],
                                     # both nodes' databases, on one server
                                     "wal_bytes_per_message": {name: round(statistics.median(values))
                                                               for name, values in wal_bytes.items()}}),
-            ScenarioResult("cross-node transfer vs a numbered bare relay", measured, numbered, details=details)]
+            ScenarioResult("cross-node transfer vs a numbered relay over HTTP", measured, numbered, details=details)]
 
 
 def traced(nodes: TwoNodes, conversations: int, messages: int, repetitions: int,

@@ -53,7 +53,7 @@ def _answering(process: subprocess.Popen, address: str, what: str, log: Path) ->
 
 
 def start_bare_api(database_url: str, log: Path) -> tuple[subprocess.Popen, str]:
-    """The REST baseline (bench.bare_api) on a free port, once it answers; returns the process and its address."""
+    """The bare endpoints (bench.bare_api) on a free port, once they answer; returns the process and its address."""
     port = free_port()
     with log.open("ab") as out:
         process = subprocess.Popen([sys.executable, "-m", "bench.bare_api", str(port)], stdout=out,

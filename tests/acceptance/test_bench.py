@@ -16,7 +16,7 @@ AGAINST_PGMQ = {"send_batch to a local service", "send to a local service", "loc
                 "local receive, 4 readers"}
 SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", *AGAINST_PGMQ,
              *{f"{name} vs pgmq" for name in AGAINST_PGMQ}, "cross-node transfer",
-             "cross-node transfer vs a numbered bare relay", "cross-node transfer, traced",
+             "cross-node transfer vs a numbered relay over HTTP", "cross-node transfer, traced",
              "cross-node transfer, resend window",
              "cross-node latency (p50; p99 in details)", "REST send, then receive + complete",
              "RabbitMQ publish + consume", "Spark ingest",
@@ -63,11 +63,11 @@ def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(tmp_
     assert set(cpu_us) == {*GROUPS, "all"}
     assert all(cpu_us[group] > 0 for group in ("sender's backend", "A's relay-lane backends", "B's accepting backends",
                                                "relay (Python)", "API (Python)"))
-    for baseline in ("bare_relay", "numbered_bare_relay"):
+    for baseline in ("bare_relay", "numbered_relay_over_http"):
         baseline_cpu_us = scenarios["cross-node transfer"]["details"][f"{baseline}_cpu_us_per_message"]
         assert set(baseline_cpu_us) == {*GROUPS, "all"} and baseline_cpu_us["all"] > 0  # a quick run's: a few ticks
     assert set(scenarios["cross-node transfer"]["details"]["wal_bytes_per_message"]) == {
-        "broker", "bare relay", "numbered bare relay"}
+        "broker", "bare relay", "numbered relay over HTTP"}
     assert len(scenarios["cross-node at scale (min of the curve)"]["series"]["scale"]) == 5
     table = (tmp_path / "results" / "results.md").read_text()
     assert all(name in table for name in SCENARIOS)
