@@ -12,8 +12,6 @@ same protocol), doing nothing else than what they say:
     python -m bench.bare_api PORT   (the database in BROKER_DATABASE_URL)
 """
 import base64
-import hashlib
-import hmac
 import io
 import os
 import sys
@@ -28,13 +26,16 @@ from sqlalchemy import text
 from broker.api import connections
 from broker.api.main import api_engine
 from broker.settings import Settings
+from broker.transport import signing
 
 CREATE_TABLE = text("CREATE TABLE IF NOT EXISTS bench_bare_messages"
                     " (message_id bigserial PRIMARY KEY, body bytea, enqueued_at timestamptz NOT NULL DEFAULT now())")
 INSERT = text("INSERT INTO bench_bare_messages (body) VALUES (:body) RETURNING message_id")
-# The numbered relay's: both ends sign with it (a benchmark's, on one machine).
-BATCH_SECRET = b"bench: the secret both ends of the numbered relay share"
-SIGNATURE_HEADER = "x-signature"
+# The numbered relay's: both ends sign with it as two nodes do (broker.transport.signing), a benchmark's secret
+# on one machine, for a batch posted to this path.
+BATCH_SECRET = "bench: the secret both ends of the numbered relay share"
+BATCHES_PATH = "/batches"
+BATCH_PURPOSE = signing.request_purpose("POST", BATCHES_PATH, "application/octet-stream", "bench")
 STAGE_BATCH = text("CREATE TEMPORARY TABLE IF NOT EXISTS bench_batch (id bigint, conversation_id uuid, seq bigint,"
                    " body bytea) ON COMMIT DELETE ROWS")
 COPY_BATCH = "COPY pg_temp.bench_batch FROM STDIN (FORMAT binary)"
@@ -55,9 +56,6 @@ SELECT (SELECT count(*) FROM ranges) AS conversations, (SELECT count(*) FROM mov
                         '[]') FROM moved m)::text AS results
 """)
 
-
-def signature(data: bytes) -> str:
-    return hmac.new(BATCH_SECRET, data, hashlib.sha256).hexdigest()
 
 
 class Message(BaseModel):
@@ -80,13 +78,15 @@ def create_app(database_url: str, settings: Settings) -> FastAPI:
             return {"message_id": connection.execute(INSERT, {"body": base64.b64decode(message.body_base64)})
                     .scalar_one()}
 
-    @app.post("/batches")
+    @app.post(BATCHES_PATH)
     async def take_batch(request: Request) -> Response:
         batch = await request.body()
-        signed = request.headers.get(SIGNATURE_HEADER, "")
 
         def take() -> Response:
-            if not hmac.compare_digest(signature(batch), signed):
+            try:
+                signing.matching_secret([BATCH_SECRET], request.headers.get(signing.TIMESTAMP_HEADER),
+                                        request.headers.get(signing.SIGNATURE_HEADER), BATCH_PURPOSE, batch)
+            except signing.BadSignature:
                 return Response(status_code=401)
             with engine.connect() as connection:
                 connection.execute(STAGE_BATCH)
@@ -98,7 +98,8 @@ def create_app(database_url: str, settings: Settings) -> FastAPI:
                     return Response("a conversation's numbers do not come next", status_code=409)
                 connection.commit()
             return Response(taken.results, media_type="application/json",
-                            headers={SIGNATURE_HEADER: signature(taken.results.encode())})
+                            headers=signing.answer_headers(BATCH_SECRET, "bench", request.headers[
+                                signing.SIGNATURE_HEADER], taken.results.encode()))
 
         return await run_in_threadpool(take)
 

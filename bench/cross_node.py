@@ -1,7 +1,5 @@
 """Cross-node scenarios: transfer throughput next to a bare relay, latency, and throughput at scale."""
-import hmac
 import io
-import json
 import select
 import statistics
 import struct
@@ -21,6 +19,7 @@ from bench.nodes import TwoNodes, start_bare_api
 from bench.otlp_sink import OtlpSink
 from bench.results import Measurement, ScenarioResult, ratio_met
 from broker.cli.processes import stop
+from broker.transport import signing
 
 BARE_OUTBOX = ("CREATE TABLE IF NOT EXISTS bench_outbox (id bigserial PRIMARY KEY, conversation_id uuid NOT NULL,"
                " seq bigint NOT NULL, body bytea NOT NULL)")
@@ -216,17 +215,15 @@ def _numbered_batch(source, client: httpx.Client, address: str) -> tuple[int | N
     return last, taken
 
 
-def _post_batch(client: httpx.Client, address: str, batch: bytes) -> list:
-    """Posts a batch to the numbered relay's endpoint, signed; its results, read as a relay reads an answer once
-    its signature is checked."""
-    answer = client.post(f"{address}/batches", content=batch,
-                         headers={bare_api.SIGNATURE_HEADER: bare_api.signature(batch)})
+def _post_batch(client: httpx.Client, address: str, batch: bytes) -> None:
+    """Posts a batch to the numbered relay's endpoint, signed as a node signs it, and checks that the answer is
+    signed as the answer to it."""
+    headers = signing.signed_headers(bare_api.BATCH_SECRET, "bench", bare_api.BATCH_PURPOSE, batch)
+    answer = client.post(f"{address}{bare_api.BATCHES_PATH}", content=batch, headers=headers)
     if answer.status_code == 409:
         raise RuntimeError("the numbered relay took a batch out of order")
     answer.raise_for_status()
-    if not hmac.compare_digest(answer.headers[bare_api.SIGNATURE_HEADER], bare_api.signature(answer.content)):
-        raise RuntimeError("the numbered relay's answer is not signed as its batch was")
-    return json.loads(answer.content)
+    signing.check_answer(bare_api.BATCH_SECRET, answer.headers, headers[signing.SIGNATURE_HEADER], answer.content)
 
 
 def transfer(nodes: TwoNodes, conversations: int, messages: int, repetitions: int,
