@@ -22,6 +22,8 @@ SCENARIOS = {"local send, broker.send_batch", "local send, broker.send", *AGAINS
              "RabbitMQ publish + consume", "Spark ingest",
              "Spark ingest --follow, a batch from commit to dataset", "cross-node at scale (min of the curve)",
              "send_batch to a local service, 10 a conversation vs pgmq",
+             "send_batch to a local service vs the least a local send writes",
+             "the least a local send writes vs pgmq",
              "activated procedure vs run_activation"}
 # pgmq's SQL, when the machine has it (the bench never ships it): measured beside ours, else skipped.
 PGMQ_SQL = os.environ.get("BROKER_BENCH_PGMQ_SQL")
@@ -56,7 +58,7 @@ def test_quick_run_measures_every_scenario_and_writes_table_json_and_charts(tmp_
     assert scenarios["REST send, then receive + complete"]["details"]["error_count"] == 0
     assert scenarios["REST send, then receive + complete"]["details"]["bare_fastapi_insert_msgs_per_s"] > 0
     written = scenarios["local send, broker.send_batch"]["details"]["wal_bytes_per_message"]
-    assert set(written) >= {"bare", "batch remote", "batch local", "batch local grouped"}
+    assert set(written) >= {"bare", "batch remote", "batch local", "batch local grouped", "least local"}
     assert all(bytes_per_message > 0 for bytes_per_message in written.values())
     assert scenarios["cross-node transfer, traced"]["details"]["spans_exported"] > 0
     cpu_us = scenarios["cross-node transfer"]["details"]["cpu_us_per_message"]
