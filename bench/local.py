@@ -30,6 +30,7 @@ GROUPED_CONVERSATIONS = 10
 # The least a send to a local service writes with this queue table and each side's numbers: one statement that
 # stores the messages in the far side's queue and moves both sides' numbers on, without any check of send_batch's
 # (no lock taken first, no state, lifetime, contract, type or size judged).  What send_batch can reach at best.
+# Each conversation is sent on from one side, as the bench sends.
 LEAST_LOCAL_SEND = """
 WITH given AS (
     SELECT m.handle, m.place, row_number() OVER (PARTITION BY m.handle ORDER BY m.place) AS nth,
@@ -138,7 +139,7 @@ def send(server: BenchServer, messages: int, repetitions: int, report: Callable[
     handles = {connection: workload.begin_conversations(connection, workload.PER_TRANSACTION)
                for connection in (remote, local)}
     grouped = workload.begin_conversations(local, GROUPED_CONVERSATIONS)
-    least = workload.begin_conversations(local, workload.PER_TRANSACTION)
+    least_handles = workload.begin_conversations(local, workload.PER_TRANSACTION)
     rates: dict[str, list[float]] = {}
     wal_bytes: dict[str, list[float]] = {}
 
@@ -157,7 +158,7 @@ def send(server: BenchServer, messages: int, repetitions: int, report: Callable[
                 line.append(f"send_batch to {target} {measure(f'batch {target}', lambda: workload.send_round_robin(connection, handles[connection], messages, payloads)):,.0f}")
                 line.append(f"send to {target} {measure(f'send {target}', lambda: _send_one_by_one(connection, handles[connection], messages, payloads)):,.0f}")
             line.append(f"send_batch to local, 10 a conversation {measure('batch local grouped', lambda: workload.send_round_robin(local, grouped, messages, payloads)):,.0f}")
-            line.append(f"the least a local send writes {measure('least local', lambda: _least_local_send(local, least, messages, payloads)):,.0f}")
+            line.append(f"the least a local send writes {measure('least local', lambda: _least_local_send(local, least_handles, messages, payloads)):,.0f}")
             if peer:
                 line.append(f"pgmq.send_batch {measure('pgmq', lambda: pgmq.send(peer, messages, pgmq_payloads)):,.0f}")
             report(f"local send: repetition {repetition}/{repetitions} (msgs/s): {', '.join(line)}")
