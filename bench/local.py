@@ -91,17 +91,11 @@ def _pgmq_database(server: BenchServer, pgmq_sql: Path | None) -> str | None:
     return url
 
 
-def _send_one_by_one(connection, handles: list[str], messages: int, payloads: list) -> None:
+def _each_transaction(statement: str, connection, handles: list[str], messages: int, payloads: list) -> None:
+    """`messages` messages by the statement, a transaction of PER_TRANSACTION each: payloads[i] on handles[i]."""
     with connection.cursor() as cursor:
         for _ in range(0, messages, workload.PER_TRANSACTION):
-            cursor.execute(SEND_ONE_BY_ONE, {"handles": handles, "bodies": payloads})
-            connection.commit()
-
-
-def _least_local_send(connection, handles: list[str], messages: int, payloads: list) -> None:
-    with connection.cursor() as cursor:
-        for _ in range(0, messages, workload.PER_TRANSACTION):
-            cursor.execute(LEAST_LOCAL_SEND, {"handles": handles, "bodies": payloads})
+            cursor.execute(statement, {"handles": handles, "bodies": payloads})
             connection.commit()
 
 
@@ -156,9 +150,9 @@ def send(server: BenchServer, messages: int, repetitions: int, report: Callable[
             line = [f"INSERT {measure('bare', lambda: _bare_insert(remote, messages, payloads)):,.0f}"]
             for target, connection in (("remote", remote), ("local", local)):
                 line.append(f"send_batch to {target} {measure(f'batch {target}', lambda: workload.send_round_robin(connection, handles[connection], messages, payloads)):,.0f}")
-                line.append(f"send to {target} {measure(f'send {target}', lambda: _send_one_by_one(connection, handles[connection], messages, payloads)):,.0f}")
+                line.append(f"send to {target} {measure(f'send {target}', lambda: _each_transaction(SEND_ONE_BY_ONE, connection, handles[connection], messages, payloads)):,.0f}")
             line.append(f"send_batch to local, 10 a conversation {measure('batch local grouped', lambda: workload.send_round_robin(local, grouped, messages, payloads)):,.0f}")
-            line.append(f"the least a local send writes {measure('least local', lambda: _least_local_send(local, least_handles, messages, payloads)):,.0f}")
+            line.append(f"the least a local send writes {measure('least local', lambda: _each_transaction(LEAST_LOCAL_SEND, local, least_handles, messages, payloads)):,.0f}")
             if peer:
                 line.append(f"pgmq.send_batch {measure('pgmq', lambda: pgmq.send(peer, messages, pgmq_payloads)):,.0f}")
             report(f"local send: repetition {repetition}/{repetitions} (msgs/s): {', '.join(line)}")
